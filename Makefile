@@ -1,0 +1,38 @@
+# Two entry points for a newcomer: `make demo` and `make test`. Both build .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PKGS   := magi-solver ffa-kernels magi-comm magi-dist
+STAMP  := $(VENV)/.installed
+
+# CPU torch lies on disk (torch 2.13.0); a machine with a GPU keeps the torch it has.
+TORCH_SPEC ?= torch==2.13.0
+DEV_DEPS   := pytest pytest-xdist hypothesis ruff setuptools wheel "matplotlib>=3.7"
+
+.PHONY: venv test lint demo bench-solver clean
+
+venv: $(STAMP)
+
+$(STAMP): Makefile $(foreach p,$(PKGS),packages/$(p)/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" $(DEV_DEPS)
+	$(PIP) install -q --no-build-isolation $(foreach p,$(PKGS),-e packages/$(p))
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+demo: $(STAMP)
+	$(VENV)/bin/magi-plan --demo
+
+bench-solver: $(STAMP)
+	$(PY) tools/bench_solver.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

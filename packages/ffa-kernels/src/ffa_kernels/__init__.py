@@ -1,0 +1,39 @@
+"""flex_flash_attn_func: flexible-mask FlashAttention (CuTe DSL Hopper kernels and a torch reference backend).
+
+Public API (the contract is API.md):
+
+- `flex_flash_attn_func(q, k, v, q_ranges, k_ranges, attn_type_map=None, *, sink=None,
+  sink_layout="sh", softmax_scale=None, softcap=0.0, deterministic=False,
+  return_max_logits=False) -> (out, AttnForwardMeta(lse, max_logits))`
+- per-stage API for combining several calls over different key sets exactly (magi-dist):
+  `ffa_forward_stage`, `ffa_backward_stage`, `apply_sink`, `sink_backward`, `merge_lse_`.
+- mask type codes `MaskType` / `FULL`, `CAUSAL`, `INVCAUSAL`, `BICAUSAL`, and `mask_type_code`.
+
+Backend: ``FFA_BACKEND=reference|cute``; by default the CuTe kernels on CUDA compute capability
+9.x when ``ffa_kernels.cute`` is importable, the pure-torch reference elsewhere.
+"""
+
+from ._frontend import ffa_backward_stage, ffa_forward_stage, flex_flash_attn_func
+from ._merge import merge_lse_
+from ._sink import apply_sink, sink_backward, sink_lse
+from ._types import BICAUSAL, CAUSAL, FULL, INVCAUSAL, AttnForwardMeta, MaskType, mask_type_code
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BICAUSAL",
+    "CAUSAL",
+    "FULL",
+    "INVCAUSAL",
+    "AttnForwardMeta",
+    "MaskType",
+    "__version__",
+    "apply_sink",
+    "ffa_backward_stage",
+    "ffa_forward_stage",
+    "flex_flash_attn_func",
+    "mask_type_code",
+    "merge_lse_",
+    "sink_backward",
+    "sink_lse",
+]

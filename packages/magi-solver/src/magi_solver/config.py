@@ -1,0 +1,78 @@
+"""Frozen configuration models of the planner (validated on construction)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from magi_solver.dispatch import DispatchAlg
+
+
+class OverlapMode(str, Enum):
+    """``static``: the configured degree; ``dynamic``: the cheapest degree in ``1..dynamic_max_degree``."""
+
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+class OverlapAlg(str, Enum):
+    """How remote chunks (in global token order) are grouped into contiguous stages.
+
+    ``uniform``: equal chunk counts; ``balanced``: equal cost (comm + calc) per stage.
+    """
+
+    UNIFORM = "uniform"
+    BALANCED = "balanced"
+
+
+class DispatchConfig(BaseModel):
+    """How the q axis is cut into chunks and chunks are assigned to ranks.
+
+    ``chunk_size`` is an upper bound: it shrinks so that every rank gets at least
+    ``min_chunks_per_rank`` chunks. The token axis is padded to a multiple of ``chunk * cp_size``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunk_size: int = Field(2048, gt=0)
+    alg: DispatchAlg = DispatchAlg.MIN_HEAP
+    min_chunks_per_rank: int = Field(1, ge=1)
+
+
+class OverlapConfig(BaseModel):
+    """How remote K/V is split into stages overlapped with computation.
+
+    ``degree`` 0: no overlap (all remote K/V arrives first, one kernel call over local+remote);
+    ``N >= 1``: host stage plus N remote stages. Costs: a stage computes in
+    ``calc_cost_factor * area`` and communicates in ``comm_cost_factor * tokens``, so
+    ``comm_cost_factor / calc_cost_factor`` is the time of one K/V token relative to one mask
+    cell (about ``(peak FLOP/s / link bytes/s) * (2*Hk*bytes) / (4*Hq)``: ~1000 for bf16 MHA on H100
+    NVLink). Remote K/V is cut into at most ``max_num_chunks`` chunks of at least ``min_chunk_size``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: OverlapMode = OverlapMode.STATIC
+    degree: int | None = Field(1, ge=0)
+    dynamic_max_degree: int = Field(8, ge=1)
+    min_chunk_size: int = Field(512, gt=0)
+    max_num_chunks: int = Field(64, ge=1)
+    alg: OverlapAlg = OverlapAlg.UNIFORM
+    calc_cost_factor: float = Field(1.0, gt=0)
+    comm_cost_factor: float = Field(1000.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> OverlapConfig:
+        if self.mode is OverlapMode.STATIC and self.degree is None:
+            raise ValueError("degree: static overlap mode needs a degree (0 = no overlap); got None")
+        return self
+
+
+class DistAttnConfig(BaseModel):
+    """Everything :func:`magi_solver.make_plan` needs besides the mask and ``cp_size``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dispatch_config: DispatchConfig = DispatchConfig()
+    overlap_config: OverlapConfig = OverlapConfig()
