@@ -147,7 +147,7 @@ class AttnRanges(RootModel[list[AttnRange]]):
         return all(a.start <= b.start for a, b in zip(self.root, self.root[1:]))
 
     def is_non_overlap(self) -> bool:
-        s = sorted(self.to_naive_ranges())
+        s = sorted(r for r in self.to_naive_ranges() if r[1] > r[0])
         return all(a[1] <= b[0] for a, b in zip(s, s[1:]))
 
     def sort(self) -> AttnRanges:
