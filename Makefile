@@ -28,8 +28,12 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# The planner on a built-in mask, then context-parallel training on 4 CPU gloo ranks beside the
+# single-process run (on a GPU machine use torchrun; see examples/cp_train.py).
 demo: $(STAMP)
 	$(VENV)/bin/magi-plan --demo
+	@echo
+	$(PY) examples/cp_train.py --spawn 4 --steps 20
 
 bench-solver: $(STAMP)
 	$(PY) tools/bench_solver.py

@@ -1,0 +1,282 @@
+"""Public entry points: `flex_flash_attn_func` and the per-stage forward/backward.
+
+`flex_flash_attn_func` is built on the stage API: its forward is one `ffa_forward_stage` into
+fresh accumulators followed by `apply_sink`; its backward is one `ffa_backward_stage` with the
+final out/lse plus `sink_backward`. magi-dist calls the stages itself, once per key set, to get
+the same result for a mask whose keys live on several ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _backend
+from ._backward import reference_backward_stage
+from ._forward import reference_forward_stage
+from ._merge import merge_lse_
+from ._sink import apply_sink, sink_backward
+from ._types import AttnForwardMeta
+from ._validate import ValidatedAttnArgs, check_accumulator, check_sink, validate_attn_args
+
+__all__ = ["ffa_backward_stage", "ffa_forward_stage", "flex_flash_attn_func"]
+
+_NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _forward_stage(
+    args: ValidatedAttnArgs, out_acc: torch.Tensor, lse_acc: torch.Tensor, max_logits_acc: torch.Tensor | None
+) -> None:
+    backend = _backend.select_forward_backend(args.q.device, args.q.dtype)
+    if backend == _backend.CUTE:
+        cute = _backend.load_cute()
+        assert cute is not None  # select_forward_backend checked it
+        try:
+            out, lse, max_logits = cute.cute_forward(
+                args.q,
+                args.k,
+                args.v,
+                args.q_ranges,
+                args.k_ranges,
+                args.attn_type_map,
+                softmax_scale=args.softmax_scale,
+                softcap=args.softcap,
+                sink=None,
+                sink_layout="sh",
+                return_max_logits=max_logits_acc is not None,
+            )
+        except NotImplementedError as exc:
+            # The kernel's way to say "this configuration is not supported": unless the user
+            # forced FFA_BACKEND=cute, the reference computes the same thing, only slower.
+            if _backend.forced_backend() == _backend.CUTE:
+                raise
+            _backend.log_once(
+                f"cute-unsupported-{exc}", "ffa_kernels: CuTe backend: %s; using the reference backend", exc
+            )
+        else:
+            # A finished (normalised) result for this key set: merge it like any partial result.
+            merge_lse_(out_acc, lse_acc, out, lse)
+            if max_logits_acc is not None:
+                torch.maximum(max_logits_acc, max_logits.to(max_logits_acc.dtype), out=max_logits_acc)
+            return
+    reference_forward_stage(args, out_acc, lse_acc, max_logits_acc)
+
+
+def _backward_stage(
+    args: ValidatedAttnArgs,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
+    _backend.select_backward_backend(args.q.device, args.q.dtype)  # only "reference" for now
+    reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+
+
+# ----------------------------------------------------------------------------- stage API
+
+
+def ffa_forward_stage(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    max_logits_acc: torch.Tensor | None = None,
+) -> None:
+    """Compute one stage of attention and merge it into float accumulators, in place.
+
+    Args:
+        q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64, one dtype and
+            device; ``Hq % Hk == 0``.
+        q_ranges, k_ranges: int32 ``(N, 2)``, this stage's slices (in the coordinates of q and k).
+        attn_type_map: int32 ``(N,)`` mask type codes, or None for all FULL.
+        out_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), initialised by the caller to 0.
+        lse_acc: float32 ``(Tq, Hq)`` (float64 allowed), initialised by the caller to ``-inf``.
+        softmax_scale: None means ``D ** -0.5``.
+        softcap: logits ``softcap * tanh(scale * q.k / softcap)`` when > 0.
+        max_logits_acc: optional float32 ``(Hq,)``, initialised to ``-inf``; max-updated with
+            ``softmax_scale * q.k`` (before softcap) over the covered cells.
+
+    Stages over disjoint sets of cells (e.g. different keys) merge exactly by log-sum-exp, in
+    any order. Rows this stage does not cover are left untouched. No sink: after the last
+    stage, call `apply_sink(out_acc, lse_acc, sink, sink_layout)` once.
+    """
+    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    tq, hq, d = args.q.shape
+    dev = args.q.device
+    check_accumulator("out_acc", out_acc, (tq, hq, d), dev)
+    check_accumulator("lse_acc", lse_acc, (tq, hq), dev)
+    if max_logits_acc is not None:
+        check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev)
+    _forward_stage(args, out_acc, lse_acc, max_logits_acc)
+
+
+def _check_float(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t
+
+
+def ffa_backward_stage(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> None:
+    """Add one stage's contribution to dq, dk, dv, in place.
+
+    Args:
+        dout: ``(Tq, Hq, D)`` gradient of the final output (any float dtype).
+        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap: as for
+            `ffa_forward_stage` of the same stage.
+        out: ``(Tq, Hq, D)`` FINAL output of the rows (all stages merged, sink applied).
+        lse: ``(Tq, Hq)`` FINAL log-sum-exp of the rows (all stages, sink included).
+        dq_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), added to.
+        dk_acc, dv_acc: float32 ``(Tk, Hk, D)`` (float64 allowed), added to.
+
+    Because out and lse are the global ones, summing this over all stages gives exactly the
+    gradient of the whole attention (the sink's own gradient is `sink_backward`).
+    """
+    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    tq, hq, d = args.q.shape
+    tk, hk, _ = args.k.shape
+    dev = args.q.device
+    dout = _check_float("dout", dout, (tq, hq, d), dev)
+    out = _check_float("out", out, (tq, hq, d), dev)
+    lse = _check_float("lse", lse, (tq, hq), dev)
+    check_accumulator("dq_acc", dq_acc, (tq, hq, d), dev)
+    check_accumulator("dk_acc", dk_acc, (tk, hk, d), dev)
+    check_accumulator("dv_acc", dv_acc, (tk, hk, d), dev)
+    _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _FlexFlashAttn(torch.autograd.Function):
+    """Autograd wrapper: differentiable in q, k, v and sink; lse and max_logits are not."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits):  # type: ignore[override]
+        tq, hq, d = q.shape
+        dtype = args.compute_dtype
+        out_acc = torch.zeros((tq, hq, d), dtype=dtype, device=q.device)
+        lse_acc = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=q.device)
+        max_acc = torch.full((hq,), _NEG_INF, dtype=dtype, device=q.device) if return_max_logits else None
+        _forward_stage(args, out_acc, lse_acc, max_acc)
+        apply_sink(out_acc, lse_acc, sink, sink_layout)
+
+        out = out_acc.to(q.dtype)
+        lse = lse_acc.to(torch.float32)
+        max_logits = max_acc.to(torch.float32) if max_acc is not None else torch.empty(0, device=q.device)
+        # The backward uses the accumulator-precision out/lse (not the rounded q.dtype copy).
+        ctx.save_for_backward(q, k, v, sink, out_acc, lse_acc)
+        ctx.args = args
+        ctx.sink_layout = sink_layout
+        ctx.mark_non_differentiable(lse, max_logits)
+        return out, lse, max_logits
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dmax):  # type: ignore[override]
+        q, k, v, sink, out_acc, lse_acc = ctx.saved_tensors
+        args = dataclasses.replace(ctx.args, q=q, k=k, v=v)
+        dq = dk = dv = dsink = None
+        if any(ctx.needs_input_grad[:3]):
+            dtype = args.compute_dtype
+            dq_acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
+            dk_acc = torch.zeros(k.shape, dtype=dtype, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=dtype, device=v.device)
+            _backward_stage(args, dout, out_acc, lse_acc, dq_acc, dk_acc, dv_acc)
+            dq, dk, dv = dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = sink_backward(sink, ctx.sink_layout, out_acc, dout, lse_acc)
+        return dq, dk, dv, dsink, None, None, None
+
+
+def _check_bool(name: str, x: object) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return x
+
+
+def flex_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None = None,
+    *,
+    sink: torch.Tensor | None = None,
+    sink_layout: str = "sh",
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, AttnForwardMeta]:
+    """Flexible-mask attention over a union of slices (API.md), differentiable in q, k, v, sink.
+
+    Args:
+        q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64 (the
+            reference backend computes in float32, float64 for float64 inputs); ``Hq % Hk == 0``,
+            q head h uses kv head ``h // (Hq // Hk)``.
+        q_ranges, k_ranges: int32 ``(N, 2)`` half-open ``[start, end)`` ranges, on q's device
+            (CPU is accepted too).
+        attn_type_map: int32 ``(N,)`` codes FULL=0, CAUSAL=1, INVCAUSAL=2, BICAUSAL=3; None = all
+            FULL. The slices must not cover a cell twice (not checked: it would cost an area pass).
+        sink: float32 ``(S_sink, Hq)`` for ``sink_layout="sh"`` or ``(Tq, S_sink, Hq)`` for
+            ``"ssh"``: extra logits in every row's softmax that add no output.
+        softmax_scale: None means ``D ** -0.5``.
+        softcap: when > 0 the logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
+        deterministic: accepted for API compatibility; the reference backend is always
+            deterministic.
+        return_max_logits: also return ``meta.max_logits``.
+
+    Returns:
+        ``(out, meta)``: out ``(Tq, Hq, D)`` in q's dtype (0 for a row nothing covers);
+        meta = `AttnForwardMeta` with lse float32 ``(Tq, Hq)`` (after sink; ``-inf`` for a row with
+        neither a covered cell nor a sink) and max_logits float32 ``(Hq,)`` (max over covered
+        cells of ``softmax_scale * q.k`` before softcap, ``-inf`` for a head with none) or None.
+
+    Raises:
+        TypeError / ValueError: invalid arguments, before any compute (the message names the
+            argument and the value seen).
+    """
+    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    sink = check_sink(sink, sink_layout, args.q)
+    _check_bool("deterministic", deterministic)
+    _check_bool("return_max_logits", return_max_logits)
+    out, lse, max_logits = _FlexFlashAttn.apply(
+        args.q, args.k, args.v, sink, args, sink_layout, return_max_logits
+    )
+    return out, AttnForwardMeta(lse=lse, max_logits=max_logits if return_max_logits else None)

@@ -1,0 +1,231 @@
+"""Input validation, done once per call and before any compute.
+
+Every error names the offending argument and the value seen, so a wrong call fails loudly
+instead of producing a silently wrong result. The checks are cheap: shape/dtype/device checks
+are metadata only, and the range values reach the host once (one device-to-host copy of an
+``(N, 5)`` int tensor), after which the value checks are vectorised.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "ValidatedAttnArgs",
+    "check_accumulator",
+    "check_sink",
+    "validate_attn_args",
+]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SINK_LAYOUTS = ("sh", "ssh")
+
+
+@dataclass(frozen=True)
+class ValidatedAttnArgs:
+    """Normalised attention arguments (contiguous tensors, defaults resolved).
+
+    Attributes:
+        q, k, v: contiguous ``(Tq, Hq, D)``, ``(Tk, Hk, D)``, ``(Tk, Hk, D)``.
+        q_ranges, k_ranges: contiguous int32 ``(N, 2)`` on q's device.
+        attn_type_map: contiguous int32 ``(N,)`` on q's device (all FULL when None was given).
+        slices: host copy, one ``(qs, qe, ks, ke, type)`` tuple of ints per slice.
+        softmax_scale: resolved scale (``D ** -0.5`` when None was given).
+        softcap: float >= 0 (0 disables softcap).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_ranges: torch.Tensor
+    k_ranges: torch.Tensor
+    attn_type_map: torch.Tensor
+    slices: list[tuple[int, int, int, int, int]]
+    softmax_scale: float
+    softcap: float
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float64 for float64 inputs, float32 otherwise (the dtype of the reference math)."""
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _require_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = {"q": _require_tensor("q", q), "k": _require_tensor("k", k), "v": _require_tensor("v", v)}
+    for name, t in tensors.items():
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (tokens, heads, head_dim), got {_desc(t)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} dtype must be one of float16/bfloat16/float32/float64, got {t.dtype}")
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hk = k.shape[1]
+    if hq < 1 or hk < 1:
+        raise ValueError(f"head counts must be >= 1, got q heads {hq}, k heads {hk}")
+    if d < 1:
+        raise ValueError(f"head_dim must be >= 1, got q {_desc(q)}")
+    if k.shape[2] != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, k/v have {k.shape[2]}")
+    if hq % hk != 0:
+        raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hk})")
+    # Contiguity is not needed by the reference math, but the kernels and our views assume it;
+    # copying here is never wrong, whereas a wrong stride assumption would be.
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _check_index_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
+    t = _require_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor, got dtype {t.dtype}")
+    if t.device != device and t.device.type != "cpu":
+        raise ValueError(f"{name} must be on q's device ({device}) or on the CPU, got {t.device}")
+    return t
+
+
+def _first_bad(mask: torch.Tensor) -> int:
+    return int(torch.nonzero(mask)[0, 0])
+
+
+def _check_ranges(
+    q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+    qr = _check_index_tensor("q_ranges", q_ranges, device)
+    kr = _check_index_tensor("k_ranges", k_ranges, device)
+    for name, t in (("q_ranges", qr), ("k_ranges", kr)):
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise ValueError(f"{name} must have shape (N, 2), got {tuple(t.shape)}")
+    n = qr.shape[0]
+    if kr.shape[0] != n:
+        raise ValueError(f"q_ranges and k_ranges must have the same N, got {qr.shape[0]} and {kr.shape[0]}")
+    if attn_type_map is None:
+        tm = torch.zeros(n, dtype=torch.int32, device=device)
+    else:
+        tm = _check_index_tensor("attn_type_map", attn_type_map, device)
+        if tm.dim() != 1 or tm.shape[0] != n:
+            raise ValueError(f"attn_type_map must have shape (N,) = ({n},), got {tuple(tm.shape)}")
+
+    # One host copy for all value checks (and for the reference backend's slice loop).
+    host = torch.cat([qr.to(device), kr.to(device), tm.to(device).view(-1, 1)], dim=1)
+    host = host.to(device="cpu", dtype=torch.int64)
+    for name, cols, limit in (("q_ranges", (0, 1), tq), ("k_ranges", (2, 3), tk)):
+        start, end = host[:, cols[0]], host[:, cols[1]]
+        for bad, what in (
+            (start < 0, "has a negative start"),
+            (end < start, "has end < start"),
+            (end > limit, f"has end > {'Tq' if name == 'q_ranges' else 'Tk'} = {limit}"),
+        ):
+            if bool(bad.any()):
+                i = _first_bad(bad)
+                raise ValueError(f"{name}[{i}] = [{int(start[i])}, {int(end[i])}) {what}")
+    codes = host[:, 4]
+    bad = (codes < 0) | (codes > 3)
+    if bool(bad.any()):
+        i = _first_bad(bad)
+        raise ValueError(f"attn_type_map[{i}] = {int(codes[i])} is not a mask type code in 0..3")
+
+    slices = [tuple(row) for row in host.tolist()]
+    return (
+        qr.to(device=device).contiguous(),
+        kr.to(device=device).contiguous(),
+        tm.to(device=device).contiguous(),
+        slices,  # type: ignore[return-value]
+    )
+
+
+def _check_real(name: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
+
+
+def validate_attn_args(
+    q: object,
+    k: object,
+    v: object,
+    q_ranges: object,
+    k_ranges: object,
+    attn_type_map: object,
+    softmax_scale: object,
+    softcap: object,
+) -> ValidatedAttnArgs:
+    """Check and normalise the arguments shared by every entry point (see module docstring)."""
+    q, k, v = _check_qkv(q, k, v)
+    qr, kr, tm, slices = _check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else _check_real("softmax_scale", softmax_scale)
+    cap = _check_real("softcap", softcap)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
+    return ValidatedAttnArgs(q, k, v, qr, kr, tm, slices, scale, cap)
+
+
+def check_sink(sink: object, sink_layout: object, q: torch.Tensor) -> torch.Tensor | None:
+    """Validate a sink for queries ``q`` ``(Tq, Hq, D)``; return it contiguous (or None).
+
+    ``"sh"``: float32 ``(S_sink, Hq)``; ``"ssh"``: float32 ``(Tq, S_sink, Hq)``; ``S_sink >= 1``.
+    float64 is accepted too when q is float64 (for float64 gradient checks).
+    """
+    if not isinstance(sink_layout, str) or sink_layout not in SINK_LAYOUTS:
+        raise ValueError(f"sink_layout must be 'sh' or 'ssh', got {sink_layout!r}")
+    if sink is None:
+        return None
+    sink = _require_tensor("sink", sink)
+    allowed = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if sink.dtype not in allowed:
+        raise TypeError(f"sink must be float32 (float64 allowed for float64 q), got {sink.dtype}")
+    if sink.device != q.device:
+        raise ValueError(f"sink must be on q's device ({q.device}), got {sink.device}")
+    tq, hq = q.shape[0], q.shape[1]
+    if sink_layout == "sh":
+        ok = sink.dim() == 2 and sink.shape[1] == hq and sink.shape[0] >= 1
+        expected = f"(S_sink, {hq})"
+    else:
+        ok = sink.dim() == 3 and sink.shape[0] == tq and sink.shape[2] == hq and sink.shape[1] >= 1
+        expected = f"({tq}, S_sink, {hq})"
+    if not ok:
+        raise ValueError(
+            f"sink with sink_layout={sink_layout!r} must have shape {expected} with S_sink >= 1, "
+            f"got {tuple(sink.shape)}"
+        )
+    return sink.contiguous()
+
+
+def check_accumulator(
+    name: str, t: object, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Check an in-place float accumulator. It is NOT made contiguous: results must land in it.
+
+    ``dtype`` None means float32 or float64.
+    """
+    t = _require_tensor(name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    allowed = (dtype,) if dtype is not None else (torch.float32, torch.float64)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, allowed))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t

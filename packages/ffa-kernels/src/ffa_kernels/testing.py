@@ -1,0 +1,210 @@
+"""Test helpers: a brute-force dense oracle and a random slice generator (small sizes only).
+
+The oracle is written independently of the reference backend (no shared mask code): it builds
+the dense ``(Tq, Tk)`` mask straight from the API.md condition and runs a plain softmax, so it
+can check the backend. It materialises ``Hq x Tq x Tk`` and is differentiable with
+torch.autograd; pass float64 tensors for a tight comparison. Other packages (magi-dist) may use
+it as their ground truth too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _masks
+
+__all__ = [
+    "Problem",
+    "dense_attention",
+    "dense_mask",
+    "random_disjoint_slices",
+    "random_problem",
+    "tile_config",
+]
+
+RangesLike = torch.Tensor | Sequence[Sequence[int]]
+
+
+def _as_list(x: RangesLike | Sequence[int] | None) -> list:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return [list(r) if isinstance(r, Sequence) else int(r) for r in x]
+
+
+def dense_mask(
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: torch.Tensor | Sequence[int] | None,
+    total_q: int,
+    total_k: int,
+    *,
+    counts: bool = False,
+) -> torch.Tensor:
+    """Dense mask ``(total_q, total_k)`` of a slice set, from the API.md condition.
+
+    With ``counts=True`` it returns int64 coverage counts instead of bools (a value > 1 means
+    two slices cover the same cell, which a call must not do).
+    """
+    qr, kr = _as_list(q_ranges), _as_list(k_ranges)
+    types = _as_list(attn_type_map) if attn_type_map is not None else [0] * len(qr)
+    cover = torch.zeros(total_q, total_k, dtype=torch.int64)
+    for (qs, qe), (ks, ke), t in zip(qr, kr, types):
+        q = torch.arange(total_q).view(-1, 1)
+        k = torch.arange(total_k).view(1, -1)
+        i, j = q - qs, k - ks
+        sq, sk = qe - qs, ke - ks
+        m = (q >= qs) & (q < qe) & (k >= ks) & (k < ke)
+        if t in (1, 3):  # CAUSAL, bottom-right aligned
+            m = m & (j <= i + (sk - sq))
+        if t in (2, 3):  # INVCAUSAL, top-left aligned
+            m = m & (j >= i)
+        cover += m.to(torch.int64)
+    return cover if counts else cover > 0
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: RangesLike,
+    k_ranges: RangesLike,
+    attn_type_map: torch.Tensor | Sequence[int] | None = None,
+    *,
+    sink: torch.Tensor | None = None,
+    sink_layout: str = "sh",
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Brute-force flexible-mask attention, differentiable in q, k, v and sink.
+
+    Same arguments as `ffa_kernels.flex_flash_attn_func`; computes in the dtype of q (use
+    float64). Returns ``(out (Tq, Hq, D), lse (Tq, Hq), max_logits (Hq,))``, all in q's dtype.
+    """
+    tq, hq, d = q.shape
+    tk, hk, _ = k.shape
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    mask = dense_mask(q_ranges, k_ranges, attn_type_map, tq, tk).to(q.device)
+    g = hq // hk
+    kk = k.repeat_interleave(g, dim=1)  # q head h -> kv head h // g
+    vv = v.repeat_interleave(g, dim=1)
+    raw = scale * torch.einsum("qhd,khd->hqk", q, kk)  # (Hq, Tq, Tk)
+    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+    max_logits = torch.where(mask, raw.detach(), neg_inf).reshape(hq, -1)
+    max_logits = (
+        max_logits.amax(-1) if max_logits.shape[1] else torch.full((hq,), float("-inf"), dtype=q.dtype)
+    )
+    s = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
+    # A huge finite value instead of -inf for hidden cells keeps autograd free of NaN; rows with
+    # no covered key are zeroed / set to -inf explicitly below.
+    very_negative = torch.finfo(q.dtype).min / 4
+    s = torch.where(mask, s, torch.tensor(very_negative, dtype=q.dtype, device=q.device))
+    logits = s
+    if sink is not None:
+        z = sink.to(q.dtype)
+        z = z.t().unsqueeze(1).expand(hq, tq, z.shape[0]) if sink_layout == "sh" else z.permute(2, 0, 1)
+        logits = torch.cat([s, z], dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)  # (Hq, Tq)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    has_key = mask.any(dim=-1)  # (Tq,)
+    out = torch.einsum("hqk,khd->qhd", p, vv) * has_key.view(-1, 1, 1).to(q.dtype)
+    valid = has_key.view(1, -1) | (sink is not None)
+    lse = torch.where(valid, lse, neg_inf)
+    return out, lse.t(), max_logits
+
+
+def random_disjoint_slices(
+    rng: random.Random, total_q: int, total_k: int, max_slices: int = 6, empty_prob: float = 0.1
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Random slices of all four types whose covered cells do not overlap.
+
+    Candidates with random ranges (sometimes empty) and types are kept when they cover no cell
+    already covered. Returns ``(q_ranges, k_ranges, types)`` as Python lists.
+    """
+    qr: list[list[int]] = []
+    kr: list[list[int]] = []
+    types: list[int] = []
+    covered = torch.zeros(total_q, total_k, dtype=torch.bool)
+    for _ in range(rng.randint(0, max_slices)):
+        if rng.random() < empty_prob:
+            qs = rng.randint(0, total_q)
+            cand_q = [qs, qs]
+        else:
+            a, b = sorted((rng.randint(0, total_q), rng.randint(0, total_q)))
+            cand_q = [a, b]
+        a, b = sorted((rng.randint(0, total_k), rng.randint(0, total_k)))
+        cand_k = [a, b]
+        t = rng.randint(0, 3)
+        m = dense_mask([cand_q], [cand_k], [t], total_q, total_k)
+        if bool((m & covered).any()):
+            continue
+        covered |= m
+        qr.append(cand_q)
+        kr.append(cand_k)
+        types.append(t)
+    return qr, kr, types
+
+
+@dataclass
+class Problem:
+    """A random attention problem: tensors plus its slices as tensors and as lists."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_ranges: torch.Tensor  # int32 (N, 2)
+    k_ranges: torch.Tensor  # int32 (N, 2)
+    attn_type_map: torch.Tensor  # int32 (N,)
+    qr: list[list[int]]
+    kr: list[list[int]]
+    types: list[int]
+
+
+def random_problem(
+    rng: random.Random,
+    *,
+    dtype: torch.dtype = torch.float64,
+    max_tokens: int = 20,
+    max_slices: int = 6,
+    head_dim: int | None = None,
+    max_kv_heads: int = 2,
+    max_group: int = 3,
+) -> Problem:
+    """Random sizes (``1..max_tokens`` tokens, GQA heads), random disjoint slices, random data."""
+    tq, tk = rng.randint(1, max_tokens), rng.randint(1, max_tokens)
+    hk = rng.randint(1, max_kv_heads)
+    hq = hk * rng.randint(1, max_group)
+    d = head_dim if head_dim is not None else rng.choice([1, 4, 8])
+    gen = torch.Generator().manual_seed(rng.getrandbits(63))
+    q = torch.randn(tq, hq, d, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(tk, hk, d, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(tk, hk, d, generator=gen, dtype=torch.float64).to(dtype)
+    qr, kr, types = random_disjoint_slices(rng, tq, tk, max_slices)
+    return Problem(
+        q,
+        k,
+        v,
+        torch.tensor(qr, dtype=torch.int32).view(-1, 2),
+        torch.tensor(kr, dtype=torch.int32).view(-1, 2),
+        torch.tensor(types, dtype=torch.int32),
+        qr,
+        kr,
+        types,
+    )
+
+
+@contextlib.contextmanager
+def tile_config(block_rows: int, tile_elems: int, min_tile_cols: int) -> Iterator[None]:
+    """Temporarily change the reference backend's tile sizes (to exercise multi-tile paths)."""
+    saved = _masks.BLOCK_ROWS, _masks.TILE_ELEMS, _masks.MIN_TILE_COLS
+    _masks.BLOCK_ROWS, _masks.TILE_ELEMS, _masks.MIN_TILE_COLS = block_rows, tile_elems, min_tile_cols
+    try:
+        yield
+    finally:
+        _masks.BLOCK_ROWS, _masks.TILE_ELEMS, _masks.MIN_TILE_COLS = saved

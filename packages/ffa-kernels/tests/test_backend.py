@@ -1,0 +1,150 @@
+"""Backend selection (FFA_BACKEND, capability, dtype, import guard) and the CuTe dispatch path."""
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from ffa_kernels import _backend, ffa_forward_stage, flex_flash_attn_func
+from ffa_kernels.testing import dense_attention
+
+CUDA = torch.device("cuda")
+LOGGER = "ffa_kernels._backend"
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("FFA_BACKEND", raising=False)
+    _backend.reset_cache()
+    yield
+    _backend.reset_cache()
+
+
+def _fake_cute(with_forward=True, calls=None):
+    mod = types.ModuleType("ffa_kernels.cute")
+    if with_forward:
+
+        def cute_forward(q, k, v, q_ranges, k_ranges, attn_type_map, *, softmax_scale, softcap, sink,
+                         sink_layout, return_max_logits):  # fmt: skip
+            if calls is not None:
+                calls.append(dict(softmax_scale=softmax_scale, softcap=softcap, sink=sink,
+                                  return_max_logits=return_max_logits, ranges_dtype=q_ranges.dtype,
+                                  type_map=attn_type_map.tolist()))  # fmt: skip
+            out, lse, mx = dense_attention(
+                q.double(), k.double(), v.double(), q_ranges, k_ranges, attn_type_map,
+                softmax_scale=softmax_scale, softcap=softcap,
+            )  # fmt: skip
+            return out.to(q.dtype), lse.float(), mx.float() if return_max_logits else None
+
+        mod.cute_forward = cute_forward
+    return mod
+
+
+def test_cpu_defaults_to_reference_without_importing_cute(monkeypatch):
+    monkeypatch.setattr(_backend, "load_cute", lambda: pytest.fail("cute imported on CPU"))
+    assert _backend.select_forward_backend(torch.device("cpu"), torch.bfloat16) == "reference"
+    assert _backend.select_backward_backend(torch.device("cpu"), torch.bfloat16) == "reference"
+
+
+def test_env_var_values(monkeypatch):
+    monkeypatch.setenv("FFA_BACKEND", "Reference")
+    assert _backend.select_forward_backend(CUDA, torch.bfloat16) == "reference"
+    monkeypatch.setenv("FFA_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"FFA_BACKEND.*'triton'"):
+        _backend.select_forward_backend(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        _backend.select_forward_backend(torch.device("cpu"), torch.float32)
+    monkeypatch.setitem(sys.modules, "ffa_kernels.cute", None)  # import fails
+    with pytest.raises(RuntimeError, match=r"unavailable"):
+        _backend.select_forward_backend(CUDA, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "module", "expected", "log"),
+    [
+        ((9, 0), torch.bfloat16, "ok", "cute", None),
+        ((9, 0), torch.float16, "ok", "cute", None),
+        ((8, 0), torch.bfloat16, "ok", "reference", "8.0 is not 9.x"),
+        ((10, 0), torch.bfloat16, "ok", "reference", "10.0 is not 9.x"),
+        ((9, 0), torch.float32, "ok", "reference", "float16/bfloat16"),
+        ((9, 0), torch.bfloat16, "no_forward", "reference", "does not expose cute_forward"),
+        ((9, 0), torch.bfloat16, "import_error", "reference", "import failed"),
+    ],
+)
+def test_auto_selection_on_cuda(monkeypatch, caplog, capability, dtype, module, expected, log):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fake = {"ok": _fake_cute(), "no_forward": _fake_cute(False), "import_error": None}[module]
+    monkeypatch.setitem(sys.modules, "ffa_kernels.cute", fake)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(3):
+            assert _backend.select_forward_backend(CUDA, dtype) == expected
+    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    if log is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and log in messages[0]  # logged once, not per call
+
+
+def test_backward_on_cute_runs_reference_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "ffa_kernels.cute", _fake_cute())
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert _backend.select_backward_backend(CUDA, torch.bfloat16) == "reference"
+        assert _backend.select_backward_backend(CUDA, torch.bfloat16) == "reference"
+    assert sum("no CuTe backward" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_cute_dispatch_path_merges_and_applies_sink(monkeypatch):
+    """With the CuTe backend selected, its result goes through the same merge + sink + backward."""
+    calls = []
+    monkeypatch.setattr(_backend, "_cute", _fake_cute(calls=calls))
+    monkeypatch.setattr(_backend, "select_forward_backend", lambda device, dtype: "cute")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    k = torch.randn(7, 2, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(7, 2, 8, generator=gen, dtype=torch.float64).requires_grad_()
+    sink = torch.randn(2, 4, dtype=torch.float32, requires_grad=True)
+    qr = torch.tensor([[0, 6], [2, 5]], dtype=torch.int32)
+    kr = torch.tensor([[0, 4], [4, 7]], dtype=torch.int32)
+    out, meta = flex_flash_attn_func(q, k, v, qr, kr, None, sink=sink, softcap=2.0, return_max_logits=True)
+    assert calls == [dict(softmax_scale=8**-0.5, softcap=2.0, sink=None, return_max_logits=True,
+                          ranges_dtype=torch.int32, type_map=[0, 0])]  # fmt: skip
+    ref_out, ref_lse, ref_max = dense_attention(q, k, v, qr, kr, sink=sink, softcap=2.0)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(meta.lse, ref_lse.float())
+    torch.testing.assert_close(meta.max_logits, ref_max.float())
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v, sink), dout)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+    # the stage API goes through the same dispatch
+    out_acc = torch.zeros(6, 4, 8, dtype=torch.float64)
+    lse_acc = torch.full((6, 4), float("-inf"), dtype=torch.float64)
+    ffa_forward_stage(q.detach(), k.detach(), v.detach(), qr, kr, None, out_acc, lse_acc, softcap=2.0)
+    assert len(calls) == 2
+
+
+def test_cute_not_implemented_falls_back_unless_forced(monkeypatch, caplog):
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("head_dim 3 is not supported")
+
+    mod = types.ModuleType("ffa_kernels.cute")
+    mod.cute_forward = unsupported
+    monkeypatch.setattr(_backend, "_cute", mod)
+    monkeypatch.setattr(_backend, "select_forward_backend", lambda device, dtype: "cute")
+    q = torch.randn(4, 2, 3, dtype=torch.float64)
+    r = torch.tensor([[0, 4]], dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        out, _ = flex_flash_attn_func(q, q, q, r, r)
+        flex_flash_attn_func(q, q, q, r, r)
+    ref, _, _ = dense_attention(q, q, q, r, r)
+    torch.testing.assert_close(out, ref)
+    assert sum("head_dim 3 is not supported" in rec.getMessage() for rec in caplog.records) == 1
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    with pytest.raises(NotImplementedError):
+        flex_flash_attn_func(q, q, q, r, r)

@@ -1,0 +1,246 @@
+"""flex_flash_attn_func (reference backend) against the brute-force dense float64 oracle."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ffa_kernels import AttnForwardMeta, flex_flash_attn_func
+from ffa_kernels.testing import dense_attention, random_problem, tile_config
+
+# (block_rows, tile_elems, min_tile_cols): the default, and tiny tiles that force many blocks,
+# column tiles, masked/unmasked tiles and local merges even on 20-token problems.
+TILES = [(512, 1 << 22, 64), (3, 20, 1), (1, 1, 1), (4, 64, 2)]
+
+
+def _int32(x, shape=(-1, 2)):
+    return torch.tensor(x, dtype=torch.int32).view(*shape)
+
+
+def _make_sink(rng, layout, tq, hq, dtype=torch.float32):
+    if layout is None:
+        return None
+    s = rng.randint(1, 3)
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    shape = (s, hq) if layout == "sh" else (tq, s, hq)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _grads(out, inputs, dout):
+    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rng=st.randoms(use_true_random=False),
+    tiles=st.sampled_from(TILES),
+    softcap=st.sampled_from([0.0, 0.5, 3.0]),
+    sink_layout=st.sampled_from([None, "sh", "ssh"]),
+    scale=st.sampled_from([None, 0.3, 1.7]),
+)
+def test_matches_oracle_fp64(rng, tiles, softcap, sink_layout, scale):
+    p = random_problem(rng)
+    tq, hq, _ = p.q.shape
+    sink = _make_sink(rng, sink_layout, tq, hq, torch.float64)
+    q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
+    inputs = [q, k, v] + ([sink.requires_grad_()] if sink is not None else [])
+    kw = dict(sink_layout=sink_layout or "sh", softmax_scale=scale, softcap=softcap)
+    with tile_config(*tiles):
+        out, meta = flex_flash_attn_func(
+            q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, sink=sink, return_max_logits=True, **kw
+        )
+        dout = torch.randn_like(out)
+        grads = _grads(out, inputs, dout)
+    ref_out, ref_lse, ref_max = dense_attention(q, k, v, p.qr, p.kr, p.types, sink=sink, **kw)
+    ref_grads = _grads(ref_out, inputs, dout)
+
+    assert out.dtype == torch.float64 and meta.lse.dtype == torch.float32
+    assert not out.isnan().any() and not meta.lse.isnan().any()
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(meta.lse, ref_lse.float(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(meta.max_logits, ref_max.float(), atol=1e-5, rtol=1e-6)
+    for name, g, rg in zip(["q", "k", "v", "sink"], grads, ref_grads):
+        assert not g.isnan().any(), name
+        torch.testing.assert_close(g, rg, atol=1e-9, rtol=1e-9, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fwd_tol", "grad_tol"),
+    [(torch.float32, 2e-5, 1e-4), (torch.bfloat16, 2e-2, 5e-2), (torch.float16, 4e-3, 1e-2)],
+)
+@settings(max_examples=15, deadline=None)
+@given(rng=st.randoms(use_true_random=False), sink_layout=st.sampled_from([None, "sh", "ssh"]))
+def test_low_precision(dtype, fwd_tol, grad_tol, rng, sink_layout):
+    """fp32/bf16/fp16 inputs: math in float32, out in the input dtype; compared on the same
+    (rounded) inputs to the float64 oracle."""
+    p = random_problem(rng, dtype=dtype, head_dim=8)
+    tq, hq, _ = p.q.shape
+    sink = _make_sink(rng, sink_layout, tq, hq)
+    softcap = rng.choice([0.0, 2.0])
+    q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
+    inputs = [q, k, v] + ([sink.requires_grad_()] if sink is not None else [])
+    out, meta = flex_flash_attn_func(
+        q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, sink=sink, sink_layout=sink_layout or "sh",
+        softcap=softcap, return_max_logits=True,
+    )  # fmt: skip
+    dout = torch.randn(out.shape, dtype=torch.float64).to(dtype)
+    grads = _grads(out, inputs, dout)
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (p.q, p.k, p.v))
+    s64 = sink.detach().double().requires_grad_() if sink is not None else None
+    inputs64 = [q64, k64, v64] + ([s64] if s64 is not None else [])
+    ref_out, ref_lse, ref_max = dense_attention(
+        q64, k64, v64, p.qr, p.kr, p.types, sink=s64, sink_layout=sink_layout or "sh", softcap=softcap
+    )
+    ref_grads = _grads(ref_out, inputs64, dout.double())
+
+    assert out.dtype == dtype and meta.lse.dtype == torch.float32 and meta.max_logits.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=fwd_tol, rtol=fwd_tol)
+    torch.testing.assert_close(meta.lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(meta.max_logits.double(), ref_max, atol=1e-4, rtol=1e-5)
+    for name, g, rg in zip(["q", "k", "v", "sink"], grads, ref_grads):
+        assert g.dtype == (torch.float32 if name == "sink" else dtype)
+        torch.testing.assert_close(
+            g.double(), rg, atol=grad_tol, rtol=grad_tol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def _qkv(tq, tk, hq=2, hk=1, d=4, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_()
+        for shape in ((tq, hq, d), (tk, hk, d), (tk, hk, d))
+    )
+
+
+def test_uncovered_rows_zero_and_neg_inf():
+    q, k, v = _qkv(6, 5)
+    # rows 0 and 5 are not covered; row 1 is covered by a CAUSAL slice only from row 2 on
+    out, meta = flex_flash_attn_func(q, k, v, _int32([[1, 5]]), _int32([[0, 2]]), _int32([1], (1,)))
+    for r in (0, 1, 2, 5):
+        assert torch.equal(out[r], torch.zeros_like(out[r]))
+        assert bool((meta.lse[r] == -math.inf).all())
+    assert bool(meta.lse[3:5].isfinite().all())
+    out.sum().backward()
+    for x in (q, k, v):
+        assert bool(x.grad.isfinite().all())
+    assert torch.equal(q.grad[[0, 1, 2, 5]], torch.zeros_like(q.grad[[0, 1, 2, 5]]))
+
+
+def test_uncovered_rows_with_sink():
+    q, k, v = _qkv(4, 4)
+    sink = torch.tensor([[0.5, -1.0], [2.0, 0.0]], dtype=torch.float32, requires_grad=True)  # (S=2, Hq=2)
+    out, meta = flex_flash_attn_func(q, k, v, _int32([[2, 4]]), _int32([[0, 4]]), sink=sink)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    torch.testing.assert_close(meta.lse[:2], torch.logsumexp(sink, 0).expand(2, 2))
+    (out * 1.0).sum().backward()
+    assert bool(sink.grad.isfinite().all())
+
+
+def test_no_slices_at_all():
+    q, k, v = _qkv(3, 3)
+    sink = torch.zeros(1, 2, dtype=torch.float32, requires_grad=True)
+    empty = torch.zeros(0, 2, dtype=torch.int32)
+    out, meta = flex_flash_attn_func(q, k, v, empty, empty, return_max_logits=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool((meta.lse == -math.inf).all()) and bool((meta.max_logits == -math.inf).all())
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q)) and torch.equal(k.grad, torch.zeros_like(k))
+    out, meta = flex_flash_attn_func(q, k, v, empty, empty, sink=sink)
+    torch.testing.assert_close(meta.lse, torch.zeros(3, 2))  # logsumexp of one zero logit
+
+
+def test_zero_length_sequences():
+    q, k, v = _qkv(0, 3)
+    out, meta = flex_flash_attn_func(q, k, v, _int32([[0, 0]]), _int32([[0, 3]]))
+    assert out.shape == (0, 2, 4) and meta.lse.shape == (0, 2)
+    q, k, v = _qkv(3, 0)
+    out, meta = flex_flash_attn_func(q, k, v, _int32([[0, 3]]), _int32([[0, 0]]))
+    assert torch.equal(out, torch.zeros_like(out)) and bool((meta.lse == -math.inf).all())
+
+
+def test_max_logits_per_head_and_before_softcap():
+    q, k, v = _qkv(4, 4, hq=3, hk=1)
+    with torch.no_grad():
+        q[:, 0] *= 50  # head 0 gets logits far beyond the softcap
+    qr, kr = _int32([[0, 4]]), _int32([[0, 4]])
+    _, meta = flex_flash_attn_func(q, k, v, qr, kr, softcap=1.0, return_max_logits=True)
+    _, _, ref_max = dense_attention(q, k, v, [[0, 4]], [[0, 4]], softcap=1.0)
+    torch.testing.assert_close(meta.max_logits.double(), ref_max, rtol=1e-6, atol=1e-5)
+    assert meta.max_logits[0] > 1.0  # raw logits, not capped ones
+    _, meta = flex_flash_attn_func(q, k, v, qr, kr)
+    assert meta.max_logits is None and isinstance(meta, AttnForwardMeta)
+
+
+def test_gqa_equals_repeated_kv():
+    q, k, v = _qkv(7, 9, hq=6, hk=2)
+    qr, kr, tm = _int32([[0, 7], [0, 4]]), _int32([[0, 5], [5, 9]]), _int32([1, 2], (2,))
+    out, meta = flex_flash_attn_func(q, k, v, qr, kr, tm)
+    out_rep, meta_rep = flex_flash_attn_func(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), qr, kr, tm
+    )
+    torch.testing.assert_close(out, out_rep, atol=1e-12, rtol=0)
+    torch.testing.assert_close(meta.lse, meta_rep.lse)
+
+
+def test_non_contiguous_inputs():
+    q, k, v = _qkv(8, 8, hq=2, hk=2, d=6)
+    qt = q.detach().transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    qr = torch.tensor([[0, 99, 8, 99]], dtype=torch.int32)[:, ::2]  # non-contiguous ranges
+    kr = torch.tensor([[0, 8]], dtype=torch.int32)
+    assert not qt.is_contiguous() and not qr.is_contiguous()
+    out1, _ = flex_flash_attn_func(qt, k, v, qr, kr, _int32([1], (1,)))
+    out2, _ = flex_flash_attn_func(q, k, v, kr, kr, _int32([1], (1,)))
+    torch.testing.assert_close(out1, out2, atol=0, rtol=0)
+
+
+def test_deterministic_bitwise():
+    q, k, v = _qkv(33, 29, hq=4, hk=2, d=8, dtype=torch.float32)
+    args = (_int32([[0, 33], [10, 20]]), _int32([[0, 20], [20, 29]]), _int32([1, 0], (2,)))
+    with tile_config(5, 40, 3):
+        outs = []
+        for _ in range(2):
+            for x in (q, k, v):
+                x.grad = None
+            out, _ = flex_flash_attn_func(q, k, v, *args, deterministic=True)
+            out.sum().backward()
+            outs.append((out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_gradcheck_with_sink_and_softcap():
+    q, k, v = _qkv(4, 5, hq=2, hk=1, d=3)
+    sink = torch.randn(4, 2, 2, dtype=torch.float64, requires_grad=True)
+    qr, kr, tm = _int32([[0, 4], [1, 3]]), _int32([[0, 3], [3, 5]]), _int32([3, 2], (2,))
+
+    def fn(q, k, v, sink):
+        return flex_flash_attn_func(q, k, v, qr, kr, tm, sink=sink, sink_layout="ssh", softcap=1.5)[0]
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sink))
+
+
+def test_inputs_are_not_modified():
+    # Hq = Hk = 1 makes the internal kv-major view of q alias q itself: no in-place op may touch it
+    q, k, v = _qkv(9, 9, hq=1, hk=1, d=4)
+    sink = torch.randn(2, 1, requires_grad=True)
+    before = [x.detach().clone() for x in (q, k, v, sink)]
+    out, _ = flex_flash_attn_func(q, k, v, _int32([[0, 9]]), _int32([[0, 9]]), _int32([1], (1,)), sink=sink,
+                                  softmax_scale=0.7, softcap=2.0)  # fmt: skip
+    out.sum().backward()
+    for x, b in zip((q, k, v, sink), before):
+        assert torch.equal(x.detach(), b)
+
+
+def test_non_contiguous_dout():
+    q, k, v = _qkv(5, 6, hq=4, hk=2, d=3)
+    qr, kr = _int32([[0, 5]]), _int32([[0, 6]])
+    out, _ = flex_flash_attn_func(q, k, v, qr, kr)
+    dout_t = torch.randn(3, 4, 5, dtype=torch.float64).permute(2, 1, 0)  # (5, 4, 3), not contiguous
+    g1 = torch.autograd.grad(out, (q, k, v), dout_t, retain_graph=True)
+    g2 = torch.autograd.grad(out, (q, k, v), dout_t.contiguous())
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -1,0 +1,216 @@
+"""Per-stage API: stages over disjoint key sets, accumulated, equal one call."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ffa_kernels import (
+    apply_sink,
+    ffa_backward_stage,
+    ffa_forward_stage,
+    flex_flash_attn_func,
+    merge_lse_,
+    sink_backward,
+)
+from ffa_kernels.testing import dense_attention, random_problem, tile_config
+
+NEG_INF = -math.inf
+
+
+def _int32(x, shape=(-1, 2)):
+    return torch.tensor(x, dtype=torch.int32).view(*shape)
+
+
+def _fresh_acc(tq, hq, d, dtype=torch.float64):
+    return torch.zeros(tq, hq, d, dtype=dtype), torch.full((tq, hq), NEG_INF, dtype=dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rng=st.randoms(use_true_random=False),
+    num_stages=st.integers(2, 3),
+    softcap=st.sampled_from([0.0, 1.0]),
+    sink_layout=st.sampled_from([None, "sh", "ssh"]),
+    tiny_tiles=st.booleans(),
+)
+def test_stages_sum_to_one_call(rng, num_stages, softcap, sink_layout, tiny_tiles):
+    p = random_problem(rng, max_slices=7)
+    tq, hq, d = p.q.shape
+    sink = None
+    if sink_layout is not None:
+        shape = (2, hq) if sink_layout == "sh" else (tq, 2, hq)
+        sink = torch.randn(
+            *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rng.getrandbits(32))
+        )
+    layout = sink_layout or "sh"
+    q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
+    if sink is not None:
+        sink.requires_grad_()
+
+    # one call
+    out, meta = flex_flash_attn_func(
+        q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, sink=sink, sink_layout=layout, softcap=softcap,
+        return_max_logits=True,
+    )  # fmt: skip
+    dout = torch.randn_like(out)
+    inputs = [q, k, v] + ([sink] if sink is not None else [])
+    grads = torch.autograd.grad(out, inputs, dout)
+
+    # the same slices dealt at random into stages, run in a random order
+    owner = [rng.randrange(num_stages) for _ in p.types]
+    stages = []
+    for s in range(num_stages):
+        idx = torch.tensor([i for i, o in enumerate(owner) if o == s], dtype=torch.long)
+        stages.append((p.q_ranges[idx], p.k_ranges[idx], p.attn_type_map[idx]))
+    rng.shuffle(stages)
+
+    out_acc, lse_acc = _fresh_acc(tq, hq, d)
+    max_acc = torch.full((hq,), NEG_INF, dtype=torch.float64)
+    cfg = (2, 8, 1) if tiny_tiles else (512, 1 << 22, 64)
+    with tile_config(*cfg):
+        for qr, kr, tm in stages:
+            ffa_forward_stage(
+                p.q, p.k, p.v, qr, kr, tm, out_acc, lse_acc, softcap=softcap, max_logits_acc=max_acc
+            )
+        apply_sink(out_acc, lse_acc, None if sink is None else sink.detach(), layout)
+        torch.testing.assert_close(out_acc, out.detach(), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse_acc.float(), meta.lse)
+        torch.testing.assert_close(max_acc.float(), meta.max_logits)
+
+        dq, dk, dv = torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v)
+        for qr, kr, tm in stages:
+            ffa_backward_stage(dout, p.q, p.k, p.v, out_acc, lse_acc, qr, kr, tm, dq, dk, dv, softcap=softcap)
+    for g, ref in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(g, ref, atol=1e-10, rtol=1e-10)
+    if sink is not None:
+        dsink = sink_backward(sink.detach(), layout, out_acc, dout, lse_acc)
+        torch.testing.assert_close(dsink, grads[3], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("split", [1, 5, 9, 12])
+def test_causal_split_by_key_chunks_in_local_coordinates(split):
+    """magi-dist style: each stage gets only its own k/v chunk, ranges in that chunk's coordinates."""
+    n, hq, hk, d = 13, 4, 2, 8
+    gen = torch.Generator().manual_seed(split)
+    q = torch.randn(n, hq, d, dtype=torch.float64, generator=gen)
+    k = torch.randn(n, hk, d, dtype=torch.float64, generator=gen)
+    v = torch.randn(n, hk, d, dtype=torch.float64, generator=gen)
+    full_out, full_meta = flex_flash_attn_func(q, k, v, _int32([[0, n]]), _int32([[0, n]]), _int32([1], (1,)))
+    dout = torch.randn_like(full_out)
+    ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
+    ref_out, _, _ = dense_attention(ref_q, ref_k, ref_v, [[0, n]], [[0, n]], [1])
+    ref_out.backward(dout)
+
+    # keys [0, split): causal block on rows [0, split), full block below; keys [split, n): causal
+    stage_a = (
+        k[:split],
+        v[:split],
+        _int32([[0, split], [split, n]]),
+        _int32([[0, split], [0, split]]),
+        [1, 0],
+    )
+    stage_b = (k[split:], v[split:], _int32([[split, n]]), _int32([[0, n - split]]), [1])
+    out_acc, lse_acc = _fresh_acc(n, hq, d)
+    for kk, vv, qr, kr, tm in (stage_b, stage_a):
+        ffa_forward_stage(q, kk, vv, qr, kr, _int32(tm, (-1,)), out_acc, lse_acc)
+    torch.testing.assert_close(out_acc, full_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse_acc.float(), full_meta.lse)
+
+    dq = torch.zeros_like(q)
+    dk_parts, dv_parts = [], []
+    for kk, vv, qr, kr, tm in (stage_a, stage_b):
+        dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+        ffa_backward_stage(dout, q, kk, vv, out_acc, lse_acc, qr, kr, _int32(tm, (-1,)), dq, dk, dv)
+        dk_parts.append(dk)
+        dv_parts.append(dv)
+    torch.testing.assert_close(dq, ref_q.grad, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.cat(dk_parts), ref_k.grad, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(torch.cat(dv_parts), ref_v.grad, atol=1e-10, rtol=1e-10)
+
+
+def test_float32_accumulators_for_bf16_inputs():
+    rng = random.Random(3)
+    p = random_problem(rng, dtype=torch.bfloat16, head_dim=8)
+    tq, hq, d = p.q.shape
+    out_acc, lse_acc = _fresh_acc(tq, hq, d, torch.float32)
+    ffa_forward_stage(p.q, p.k, p.v, p.q_ranges, p.k_ranges, p.attn_type_map, out_acc, lse_acc)
+    out, meta = flex_flash_attn_func(p.q, p.k, p.v, p.q_ranges, p.k_ranges, p.attn_type_map)
+    torch.testing.assert_close(out_acc.to(torch.bfloat16), out, atol=0, rtol=0)
+    torch.testing.assert_close(lse_acc, meta.lse, atol=0, rtol=0)
+
+
+def test_rows_outside_the_stage_are_untouched():
+    """Poisoned accumulator rows that the stage does not cover keep their content exactly."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    out_acc = torch.full((6, 2, 4), math.nan, dtype=torch.float64)
+    lse_acc = torch.full((6, 2), NEG_INF, dtype=torch.float64)
+    ffa_forward_stage(q, k, v, _int32([[1, 3]]), _int32([[0, 6]]), None, out_acc, lse_acc)
+    assert bool(out_acc[[0, 3, 4, 5]].isnan().all())  # untouched
+    assert bool(out_acc[1:3].isfinite().all())  # NaN behind lse=-inf was ignored, not propagated
+    ref, _ = flex_flash_attn_func(q, k, v, _int32([[1, 3]]), _int32([[0, 6]]))
+    torch.testing.assert_close(out_acc[1:3], ref[1:3])
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    ffa_backward_stage(
+        torch.ones_like(q), q, k, v, ref, lse_acc, _int32([[1, 3]]), _int32([[0, 6]]), None, dq, dk, dv
+    )
+    assert torch.equal(dq[[0, 3, 4, 5]], torch.zeros(4, 2, 4, dtype=torch.float64))
+
+
+def test_merge_lse_edge_cases():
+    out_acc = torch.tensor([[math.nan, 1.0], [2.0, 2.0], [5.0, 5.0], [7.0, 7.0]])
+    lse_acc = torch.tensor([NEG_INF, 0.0, NEG_INF, 1.0])
+    out_part = torch.tensor([[3.0, 3.0], [math.nan, 0.0], [math.inf, 1.0], [1.0, 1.0]])
+    lse_part = torch.tensor([0.5, NEG_INF, NEG_INF, 1.0])
+    merge_lse_(out_acc, lse_acc, out_part, lse_part)
+    expected = torch.tensor([[3.0, 3.0], [2.0, 2.0], [0.0, 0.0], [4.0, 4.0]])
+    torch.testing.assert_close(out_acc, expected)
+    torch.testing.assert_close(lse_acc, torch.tensor([0.5, 0.0, NEG_INF, 1.0 + math.log(2.0)]))
+    with pytest.raises(ValueError, match="shape"):
+        merge_lse_(out_acc, lse_acc, out_part[:2], lse_part[:2])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rng=st.randoms(use_true_random=False))
+def test_merge_lse_is_softmax_over_concatenated_keys(rng):
+    """Merging two partial softmaxes equals one softmax over both key sets, in either order."""
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    rows, d = 5, 3
+    logits = torch.randn(rows, 7, dtype=torch.float64, generator=gen) * 3
+    vals = torch.randn(7, d, dtype=torch.float64, generator=gen)
+    cut = rng.randint(0, 7)
+    logits[rng.randrange(rows)] = NEG_INF  # a row with no key at all
+
+    def part(a, b):
+        lse = torch.logsumexp(logits[:, a:b], -1)
+        w = torch.exp(logits[:, a:b] - lse.nan_to_num(neginf=0).unsqueeze(-1))
+        return (w @ vals[a:b]).nan_to_num(0.0), lse
+
+    full_out, full_lse = part(0, 7)
+    for first, second in (((0, cut), (cut, 7)), ((cut, 7), (0, cut))):
+        out_acc, lse_acc = part(*first)
+        merge_lse_(out_acc, lse_acc, *part(*second))
+        torch.testing.assert_close(out_acc, full_out, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(lse_acc, full_lse)
+
+
+@pytest.mark.parametrize("layout", ["sh", "ssh"])
+def test_apply_sink_matches_oracle(layout):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 2, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    sink = torch.randn(*((3, 2) if layout == "sh" else (5, 3, 2)), dtype=torch.float64, generator=gen)
+    qr, kr = [[0, 4]], [[0, 5]]  # row 4 uncovered
+    out_acc, lse_acc = _fresh_acc(5, 2, 4)
+    ffa_forward_stage(q, k, v, _int32(qr), _int32(kr), None, out_acc, lse_acc)
+    apply_sink(out_acc, lse_acc, sink, layout)
+    ref_out, ref_lse, _ = dense_attention(q, k, v, qr, kr, sink=sink, sink_layout=layout)
+    torch.testing.assert_close(out_acc, ref_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse_acc, ref_lse, atol=1e-12, rtol=1e-12)
+    before = (out_acc.clone(), lse_acc.clone())
+    apply_sink(out_acc, lse_acc, None, layout)  # no sink: no-op
+    assert torch.equal(out_acc, before[0]) and torch.equal(lse_acc, before[1])

@@ -1,0 +1,210 @@
+"""Bad inputs fail before any compute, with an error that names the argument and the value."""
+
+import pytest
+import torch
+
+from ffa_kernels import _forward, ffa_backward_stage, ffa_forward_stage, flex_flash_attn_func
+
+I32 = torch.int32
+
+
+def _base(tq=6, tk=5, hq=4, hk=2, d=8, dtype=torch.float32):
+    q = torch.randn(tq, hq, d, dtype=dtype)
+    k = torch.randn(tk, hk, d, dtype=dtype)
+    v = torch.randn(tk, hk, d, dtype=dtype)
+    qr = torch.tensor([[0, 6], [0, 3]], dtype=I32)
+    kr = torch.tensor([[0, 3], [3, 5]], dtype=I32)
+    tm = torch.tensor([1, 0], dtype=I32)
+    return dict(q=q, k=k, v=v, q_ranges=qr, k_ranges=kr, attn_type_map=tm)
+
+
+def _call(**overrides):
+    kw = _base()
+    kw.update(overrides)
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    qr, kr, tm = kw.pop("q_ranges"), kw.pop("k_ranges"), kw.pop("attn_type_map")
+    return flex_flash_attn_func(q, k, v, qr, kr, tm, **kw)
+
+
+B = _base()
+CASES = [
+    # (overrides, exception, regex that must appear in the message)
+    (dict(q=B["q"][0]), ValueError, r"q must be 3-D.*\(4, 8\)"),
+    (dict(k=B["k"].unsqueeze(0)), ValueError, r"k must be 3-D"),
+    (dict(q=[1.0]), TypeError, r"q must be a torch.Tensor, got list"),
+    (dict(q=B["q"].to(torch.int32)), TypeError, r"q dtype .* got torch.int32"),
+    (dict(v=B["v"].double()), TypeError, r"one dtype.*v torch.float64"),
+    (dict(q=B["q"].to("meta")), ValueError, r"one device.*q meta"),
+    (dict(q=torch.randn(6, 3, 8)), ValueError, r"num_heads_q \(3\).*num_heads_kv \(2\)"),
+    (dict(q=torch.randn(6, 4, 16)), ValueError, r"head_dim mismatch: q has 16, k/v have 8"),
+    (dict(v=torch.randn(5, 2, 4)), ValueError, r"k and v must have the same shape.*\(5, 2, 4\)"),
+    (dict(q=torch.randn(6, 4, 0), k=torch.randn(5, 2, 0), v=torch.randn(5, 2, 0)), ValueError, r"head_dim"),
+    (
+        dict(q_ranges=B["q_ranges"].long()),
+        TypeError,
+        r"q_ranges must be an int32 tensor, got dtype torch.int64",
+    ),
+    (dict(k_ranges=B["k_ranges"].float()), TypeError, r"k_ranges must be an int32.*float32"),
+    (dict(q_ranges=[[0, 6], [0, 3]]), TypeError, r"q_ranges must be a torch.Tensor, got list"),
+    (dict(q_ranges=B["q_ranges"].view(-1)), ValueError, r"q_ranges must have shape \(N, 2\), got \(4,\)"),
+    (
+        dict(k_ranges=torch.zeros(2, 3, dtype=I32)),
+        ValueError,
+        r"k_ranges must have shape \(N, 2\), got \(2, 3\)",
+    ),
+    (dict(k_ranges=B["k_ranges"][:1]), ValueError, r"same N, got 2 and 1"),
+    (
+        dict(q_ranges=torch.tensor([[-1, 6], [0, 3]], dtype=I32)),
+        ValueError,
+        r"q_ranges\[0\] = \[-1, 6\).*negative",
+    ),
+    (
+        dict(k_ranges=torch.tensor([[0, 3], [4, 3]], dtype=I32)),
+        ValueError,
+        r"k_ranges\[1\] = \[4, 3\).*end < start",
+    ),
+    (
+        dict(q_ranges=torch.tensor([[0, 7], [0, 3]], dtype=I32)),
+        ValueError,
+        r"q_ranges\[0\] = \[0, 7\).*Tq = 6",
+    ),
+    (
+        dict(k_ranges=torch.tensor([[0, 3], [3, 6]], dtype=I32)),
+        ValueError,
+        r"k_ranges\[1\] = \[3, 6\).*Tk = 5",
+    ),
+    (
+        dict(attn_type_map=torch.tensor([1], dtype=I32)),
+        ValueError,
+        r"attn_type_map must have shape \(N,\) = \(2,\)",
+    ),
+    (dict(attn_type_map=torch.tensor([1, 4], dtype=I32)), ValueError, r"attn_type_map\[1\] = 4 .* 0..3"),
+    (dict(attn_type_map=torch.tensor([-1, 0], dtype=I32)), ValueError, r"attn_type_map\[0\] = -1"),
+    (dict(attn_type_map=torch.tensor([1, 0])), TypeError, r"attn_type_map must be an int32.*int64"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be >= 0.*-1.0"),
+    (dict(softcap=float("nan")), ValueError, r"softcap must be finite, got nan"),
+    (dict(softcap="1"), TypeError, r"softcap must be a real number, got str"),
+    (dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
+    (dict(softmax_scale=torch.tensor(1.0)), TypeError, r"softmax_scale must be a real number, got Tensor"),
+    (dict(sink=torch.zeros(2, 4, dtype=torch.float64)), TypeError, r"sink must be float32.*float64"),
+    (dict(sink=torch.zeros(2, 3)), ValueError, r"sink_layout='sh' must have shape \(S_sink, 4\).*\(2, 3\)"),
+    (dict(sink=torch.zeros(0, 4)), ValueError, r"S_sink >= 1.*\(0, 4\)"),
+    (dict(sink=torch.zeros(2, 4), sink_layout="ssh"), ValueError, r"'ssh' must have shape \(6, S_sink, 4\)"),
+    (dict(sink=torch.zeros(5, 2, 4), sink_layout="ssh"), ValueError, r"\(6, S_sink, 4\).*\(5, 2, 4\)"),
+    (
+        dict(sink=torch.zeros(2, 4), sink_layout="hs"),
+        ValueError,
+        r"sink_layout must be 'sh' or 'ssh', got 'hs'",
+    ),
+    (dict(sink=torch.zeros(2, 4).to("meta")), ValueError, r"sink must be on q's device"),
+    (dict(sink=[0.0]), TypeError, r"sink must be a torch.Tensor"),
+    (dict(deterministic=1), TypeError, r"deterministic must be a bool, got int"),
+    (dict(return_max_logits="yes"), TypeError, r"return_max_logits must be a bool"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "exc", "pattern"), CASES, ids=[c[2][:40] for c in CASES])
+def test_bad_input(monkeypatch, overrides, exc, pattern):
+    def no_compute(*a, **k):  # validation must happen before any compute
+        raise AssertionError("compute reached")
+
+    monkeypatch.setattr(_forward, "forward_tile", no_compute)
+    with pytest.raises(exc, match=pattern):
+        _call(**overrides)
+
+
+def test_float64_sink_allowed_for_float64_inputs():
+    kw = _base(dtype=torch.float64)
+    out, meta = flex_flash_attn_func(
+        kw["q"], kw["k"], kw["v"], kw["q_ranges"], kw["k_ranges"], kw["attn_type_map"],
+        sink=torch.zeros(1, 4, dtype=torch.float64),
+    )  # fmt: skip
+    assert meta.lse.dtype == torch.float32 and out.dtype == torch.float64
+
+
+def test_valid_edge_values_accepted():
+    # empty ranges anywhere in bounds, ends equal to Tq / Tk, softcap 0, integer scale
+    kw = _base()
+    qr = torch.tensor([[6, 6], [0, 6]], dtype=I32)
+    kr = torch.tensor([[5, 5], [0, 5]], dtype=I32)
+    out, _ = flex_flash_attn_func(kw["q"], kw["k"], kw["v"], qr, kr, None, softmax_scale=1, softcap=0)
+    assert out.shape == (6, 4, 8)
+
+
+def _acc(tq=6, hq=4, d=8, dtype=torch.float32):
+    return torch.zeros(tq, hq, d, dtype=dtype), torch.full((tq, hq), float("-inf"), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("which", "value", "exc", "pattern"),
+    [
+        (
+            "out_acc",
+            torch.zeros(6, 4, 7),
+            ValueError,
+            r"out_acc must have shape \(6, 4, 8\), got \(6, 4, 7\)",
+        ),
+        (
+            "out_acc",
+            torch.zeros(6, 4, 8, dtype=torch.bfloat16),
+            TypeError,
+            r"out_acc must have dtype.*bfloat16",
+        ),
+        ("lse_acc", torch.zeros(6, 3), ValueError, r"lse_acc must have shape \(6, 4\)"),
+        ("lse_acc", torch.zeros(6, 4).to("meta"), ValueError, r"lse_acc must be on q's device"),
+        ("max_logits_acc", torch.zeros(3), ValueError, r"max_logits_acc must have shape \(4,\)"),
+        ("max_logits_acc", torch.zeros(4, dtype=torch.float16), TypeError, r"max_logits_acc must have dtype"),
+    ],
+)
+def test_forward_stage_accumulators(which, value, exc, pattern):
+    kw = _base()
+    out_acc, lse_acc = _acc()
+    accs = dict(out_acc=out_acc, lse_acc=lse_acc, max_logits_acc=None)
+    accs[which] = value
+    with pytest.raises(exc, match=pattern):
+        ffa_forward_stage(
+            kw["q"], kw["k"], kw["v"], kw["q_ranges"], kw["k_ranges"], kw["attn_type_map"],
+            accs["out_acc"], accs["lse_acc"], max_logits_acc=accs["max_logits_acc"],
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("which", "value", "exc", "pattern"),
+    [
+        ("dout", torch.zeros(6, 4, 7), ValueError, r"dout must have shape \(6, 4, 8\)"),
+        ("dout", torch.zeros(6, 4, 8, dtype=torch.int32), TypeError, r"dout must be a floating-point"),
+        ("out", torch.zeros(5, 4, 8), ValueError, r"out must have shape \(6, 4, 8\)"),
+        ("lse", torch.zeros(6, 4, 1), ValueError, r"lse must have shape \(6, 4\)"),
+        ("dq_acc", torch.zeros(6, 4, 8, dtype=torch.float16), TypeError, r"dq_acc must have dtype"),
+        ("dk_acc", torch.zeros(6, 2, 8), ValueError, r"dk_acc must have shape \(5, 2, 8\)"),
+        ("dv_acc", torch.zeros(5, 4, 8), ValueError, r"dv_acc must have shape \(5, 2, 8\)"),
+        ("q_ranges", torch.tensor([[0, 9]], dtype=I32), ValueError, r"q_ranges must have the same N|same N"),
+    ],
+)
+def test_backward_stage_arguments(which, value, exc, pattern):
+    kw = _base()
+    args = dict(
+        dout=torch.zeros(6, 4, 8), out=torch.zeros(6, 4, 8), lse=torch.zeros(6, 4),
+        dq_acc=torch.zeros(6, 4, 8), dk_acc=torch.zeros(5, 2, 8), dv_acc=torch.zeros(5, 2, 8),
+        q_ranges=kw["q_ranges"],
+    )  # fmt: skip
+    args[which] = value
+    with pytest.raises(exc, match=pattern):
+        ffa_backward_stage(
+            args["dout"], kw["q"], kw["k"], kw["v"], args["out"], args["lse"], args["q_ranges"],
+            kw["k_ranges"], kw["attn_type_map"], args["dq_acc"], args["dk_acc"], args["dv_acc"],
+        )  # fmt: skip
+
+
+def test_validation_copies_the_ranges_to_host_once(monkeypatch):
+    """Cheap validation: a single .tolist() of the range values (no per-slice syncs)."""
+    calls = []
+    real = torch.Tensor.tolist
+
+    def counting(self):
+        calls.append(tuple(self.shape))
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    _call()
+    assert calls == [(2, 5)]

@@ -1,0 +1,249 @@
+"""Check calc_attn against single-process flex_flash_attn_func (tests, CPU gloo and GPU NCCL).
+
+``run_case`` runs on every rank of an initialised group; ``spawn_gloo`` starts a CPU group of
+``world`` processes (file store, no ports) and runs a list of cases in each.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import magi_dist as md
+from ffa_kernels import flex_flash_attn_func
+from magi_comm import close_default_collectives
+from magi_solver import AttnMask, DispatchConfig, DistAttnConfig, OverlapConfig
+
+
+@dataclass(frozen=True)
+class Case:
+    """One distributed attention problem; ``degree=None`` means dynamic overlap."""
+
+    name: str
+    q_ranges: list[tuple[int, int]]
+    k_ranges: list[tuple[int, int]]
+    types: list[int]
+    total: int
+    hq: int = 4
+    hk: int = 2
+    d: int = 16
+    degree: int | None = 1
+    dtype: str = "float64"
+    chunk: int = 16
+    min_chunk: int = 8
+    sink: str | None = None  # None | "sh" | "ssh"
+    softcap: float = 0.0
+    max_logits: bool = True
+    seed: int = 0
+    tol: float = 1e-9
+    extra: dict = field(default_factory=dict)
+
+    @staticmethod
+    def from_mask(name: str, mask: AttnMask, **kw) -> Case:
+        q, k, t = mask.to_lists()
+        return Case(name, q, k, t, mask.total_seqlen_q, **kw)
+
+    def config(self) -> DistAttnConfig:
+        ov = (
+            OverlapConfig(mode="dynamic", degree=None, dynamic_max_degree=3, min_chunk_size=self.min_chunk)
+            if self.degree is None
+            else OverlapConfig(degree=self.degree, min_chunk_size=self.min_chunk)
+        )
+        return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=self.chunk), overlap_config=ov)
+
+
+def run_case(case: Case, group=None, device: torch.device | None = None) -> dict[str, float]:
+    """Run ``case`` on this rank: dispatch, calc_attn, backward, undispatch; compare output, lse,
+    max_logits and dq, dk, dv (and dsink) with the single-process result. Returns the max errors;
+    raises ``AssertionError`` above ``case.tol``."""
+    device = device or torch.device("cpu")
+    dtype = getattr(torch, case.dtype)
+    g = torch.Generator().manual_seed(case.seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    T = case.total
+    q, k, v, dout = (
+        rand(T, case.hq, case.d),
+        rand(T, case.hk, case.d),
+        rand(T, case.hk, case.d),
+        rand(T, case.hq, case.d),
+    )
+    sink = None
+    if case.sink == "sh":
+        sink = rand(2, case.hq).float()
+    elif case.sink == "ssh":
+        sink = rand(T, 2, case.hq).float()
+
+    key = md.magi_attn_flex_key(
+        case.q_ranges,
+        case.k_ranges,
+        case.types,
+        T,
+        T,
+        case.hq,
+        case.hk,
+        case.d,
+        group,
+        dist_attn_config=case.config(),
+    )
+    lq, lk, lv = (md.dispatch(x, key).requires_grad_() for x in (q, k, v))
+    lsink = None
+    if sink is not None:
+        lsink = (sink if case.sink == "sh" else md.dispatch(sink, key)).clone().requires_grad_()
+    out, meta = md.calc_attn(
+        lq, lk, lv, key, sink=lsink, softcap=case.softcap, return_max_logits=case.max_logits
+    )
+    (out.float() * md.dispatch(dout, key).float()).sum().backward()
+
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_sink = None if sink is None else sink.clone().requires_grad_()
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, 2)  # noqa: E731
+    ro, rmeta = flex_flash_attn_func(
+        *ref_in,
+        as_t(case.q_ranges),
+        as_t(case.k_ranges),
+        torch.tensor(case.types, dtype=torch.int32, device=device),
+        sink=ref_sink,
+        sink_layout=case.sink or "sh",
+        softcap=case.softcap,
+        return_max_logits=case.max_logits,
+    )
+    (ro.float() * dout.float()).sum().backward()
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().double(), b.detach().double()
+        both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+        diff = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
+        return float(diff.max()) if diff.numel() else 0.0
+
+    errs = {
+        "out": err(md.undispatch(out.detach(), key), ro.detach()),
+        "lse": err(md.undispatch(meta.lse, key), rmeta.lse),
+        "dq": err(md.undispatch(lq.grad, key), ref_in[0].grad),
+        "dk": err(md.undispatch(lk.grad, key), ref_in[1].grad),
+        "dv": err(md.undispatch(lv.grad, key), ref_in[2].grad),
+    }
+    if case.max_logits:
+        errs["max_logits"] = err(meta.max_logits, rmeta.max_logits)
+    if sink is not None:
+        if case.sink == "sh":  # each rank holds the gradient of its rows (MAGI_DIST_DSINK_REDUCE=none)
+            total = lsink.grad.clone()
+            if os.environ.get("MAGI_DIST_DSINK_REDUCE", "none") == "none":
+                dist.all_reduce(total, group=group)
+            errs["dsink"] = err(total, ref_sink.grad)
+        else:
+            errs["dsink"] = err(md.undispatch(lsink.grad, key), ref_sink.grad)
+    # the sink and its gradient are float32 by contract, whatever the inputs' dtype
+    tols = {n: max(case.tol, 1e-5) if n == "dsink" else case.tol for n in errs}
+    bad = {n: e for n, e in errs.items() if not e <= tols[n]}
+    assert not bad, f"case {case.name}: errors above {case.tol}: {bad}"
+    return errs
+
+
+def _worker(rank: int, world: int, store_path: str, cases: list[Case], env: dict[str, str]) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        for case in cases:
+            try:
+                run_case(case)
+            except Exception as e:
+                raise AssertionError(
+                    f"rank {rank}/{world}, case {case.name}: {e}\n{traceback.format_exc()}"
+                ) from e
+    finally:
+        md.clear_cache()
+        close_default_collectives()
+        dist.destroy_process_group()
+
+
+def spawn_gloo(world: int, cases: list[Case], env: dict[str, str] | None = None) -> None:
+    """Run ``cases`` on a fresh CPU gloo group of ``world`` processes; raises if any rank fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), cases, env or {}), nprocs=world, join=True)
+
+
+def _expect(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        assert match in str(e), f"{exc.__name__} raised, but {match!r} not in {str(e)!r}"
+        return
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__} ({match!r})")
+
+
+def check_bad_inputs(rank: int, world: int) -> None:
+    """Bad arguments raise errors naming them (run on every rank of a 2-process group)."""
+    import dataclasses
+
+    cu = [0, 40, 96]
+    key = md.magi_attn_varlen_key(cu, cu, 4, 2, 8, None, causal=True)
+    rt = md.get_runtime(key)
+    n = rt.shard_seqlen
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    md.calc_attn(q, k, v, key)
+    _expect(ValueError, "calc_attn takes dispatched tensors", md.calc_attn, torch.randn(96, 4, 8), k, v, key)
+    _expect(ValueError, "q: expected shape", md.calc_attn, torch.randn(n, 3, 8), k, v, key)
+    _expect(ValueError, "k: expected shape", md.calc_attn, q, torch.randn(n, 2, 4), v, key)
+    _expect(TypeError, "dtypes differ", md.calc_attn, q, k, v.double(), key)
+    _expect(ValueError, "sink: expected", md.calc_attn, q, k, v, key, sink=torch.zeros(2, 3))
+    _expect(ValueError, "softcap", md.calc_attn, q, k, v, key, softcap=-1.0)
+    _expect(TypeError, "key: expected a DistAttnRuntimeKey", md.calc_attn, q, k, v, "key")
+    _expect(ValueError, "x: expected the global token axis", md.dispatch, torch.randn(95, 4), key)
+    _expect(ValueError, "local_x: expected", md.undispatch, torch.randn(n + 1, 4), key)
+    _expect(ValueError, "num_heads_q: 3 is not a multiple", md.magi_attn_varlen_key, cu, cu, 3, 2, 8, None)
+    _expect(ValueError, "head_dim", md.magi_attn_varlen_key, cu, cu, 4, 2, 0, None)
+    _expect(TypeError, "cp_group_or_mesh", md.magi_attn_varlen_key, cu, cu, 4, 2, 8, "group")
+    _expect(ValueError, "cu_seqlens_q", md.magi_attn_varlen_key, [0, 50, 40], cu, 4, 2, 8, None)
+    _expect(
+        ValueError,
+        "self-attention",
+        md.get_runtime,
+        md.magi_attn_flex_key([[0, 8]], [[0, 16]], "full", 8, 16, 4, 2, 8, None),
+    )
+    only_rank0 = dist.new_group([0])
+    if rank == 0:
+        md.magi_attn_varlen_key(cu, cu, 4, 2, 8, only_rank0)
+    else:
+        _expect(ValueError, "not a member", md.magi_attn_varlen_key, cu, cu, 4, 2, 8, only_rank0)
+        foreign = dataclasses.replace(key, group=only_rank0, group_ranks=(0,))
+        _expect(ValueError, "key: made for a process group", md.calc_attn, q, k, v, foreign)
+
+
+def _fn_worker(rank: int, world: int, store_path: str, fn_name: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        globals()[fn_name](rank, world)
+    finally:
+        md.clear_cache()
+        close_default_collectives()
+        dist.destroy_process_group()
+
+
+def spawn_gloo_fn(world: int, fn_name: str) -> None:
+    """Run ``magi_dist.testing.<fn_name>(rank, world)`` on a fresh CPU gloo group."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_fn_worker, args=(world, os.path.join(tmp, "store"), fn_name), nprocs=world, join=True)
