@@ -149,34 +149,57 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     return errs
 
 
-def _worker(rank: int, world: int, store_path: str, cases: list[Case], env: dict[str, str]) -> None:
-    os.environ.update(env)
+def _init(rank: int, world: int, store_path: str, backend: str) -> torch.device:
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
+    return device
+
+
+def _shutdown() -> None:
+    md.clear_cache()
+    close_default_collectives()
+    dist.destroy_process_group()
+
+
+def _worker(
+    rank: int, world: int, store_path: str, cases: list[Case], env: dict[str, str], backend: str
+) -> None:
+    os.environ.update(env)
+    device = _init(rank, world, store_path, backend)
     try:
         for case in cases:
             try:
-                run_case(case)
+                run_case(case, device=device)
             except Exception as e:
                 raise AssertionError(
                     f"rank {rank}/{world}, case {case.name}: {e}\n{traceback.format_exc()}"
                 ) from e
     finally:
-        md.clear_cache()
-        close_default_collectives()
-        dist.destroy_process_group()
+        _shutdown()
 
 
-def spawn_gloo(world: int, cases: list[Case], env: dict[str, str] | None = None) -> None:
-    """Run ``cases`` on a fresh CPU gloo group of ``world`` processes; raises if any rank fails."""
+def spawn_gloo(
+    world: int, cases: list[Case], env: dict[str, str] | None = None, backend: str = "gloo"
+) -> None:
+    """Run ``cases`` on a fresh group of ``world`` processes (CPU gloo, or ``backend="nccl"`` with
+    one GPU per rank); raises if any rank fails."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), cases, env or {}), nprocs=world, join=True)
+        mp.spawn(
+            _worker,
+            args=(world, os.path.join(tmp, "store"), cases, env or {}, backend),
+            nprocs=world,
+            join=True,
+        )
 
 
 def _expect(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
@@ -227,20 +250,11 @@ def check_bad_inputs(rank: int, world: int) -> None:
 
 
 def _fn_worker(rank: int, world: int, store_path: str, fn_name: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    _init(rank, world, store_path, "gloo")
     try:
         globals()[fn_name](rank, world)
     finally:
-        md.clear_cache()
-        close_default_collectives()
-        dist.destroy_process_group()
+        _shutdown()
 
 
 def spawn_gloo_fn(world: int, fn_name: str) -> None:

@@ -1,0 +1,81 @@
+"""All-gather K/V context parallelism (the Llama-3 / Kvax method), the baseline of bench_dist.py.
+
+Q is dispatched zigzag (rank i holds chunks i and 2*cp-1-i of each pair of rounds); every rank
+all-gathers the whole K/V and runs one kernel call over its rows against the global keys.
+Forward only; communication is (cp-1)/cp of K/V per rank whatever the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ffa_kernels import flex_flash_attn_func
+from magi_solver import AttnMask, DispatchAlg, DispatchConfig, DistAttnConfig, OverlapConfig, make_plan
+
+
+class AllGatherCP:
+    """Plan once per mask; ``forward(local_q, local_k, local_v)`` -> local out (zigzag layout)."""
+
+    def __init__(self, mask: AttnMask, group: dist.ProcessGroup, chunk_size: int):
+        self.group = group
+        cp = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        cfg = DistAttnConfig(
+            dispatch_config=DispatchConfig(chunk_size=chunk_size, alg=DispatchAlg.ZIGZAG),
+            overlap_config=OverlapConfig(degree=0),
+        )
+        plan = make_plan(mask, cp, cfg)
+        self.plan = plan
+        self.rank_chunks = [r.host_chunks for r in plan.ranks]
+        cs = plan.chunk_size
+        # rows: this rank's local rows; columns: global (padded) tokens in rank-major gathered order
+        gathered_pos = [t for r in range(cp) for t in plan.position_ids(r)]
+        col_of = {t: i for i, t in enumerate(gathered_pos)}
+        q_r, k_r, ty = [], [], []
+        for pos, c in enumerate(plan.ranks[rank].host_chunks):
+            for b in mask.bands():
+                piece = b.clip_rows(c * cs, (c + 1) * cs)
+                if piece.is_empty():
+                    continue
+                # split columns by chunk so each piece maps to one contiguous gathered range
+                c0, c1 = piece.touched_cols()
+                for kc in range(c0 // cs, (c1 - 1) // cs + 1):
+                    sub = piece.clip_cols(kc * cs, (kc + 1) * cs)
+                    if sub.is_empty():
+                        continue
+                    dq = pos * cs - c * cs
+                    dk = col_of[kc * cs] - kc * cs
+                    for qs, qe, ks, ke, t in sub.shifted(dq, dk).to_slices():
+                        q_r.append((qs, qe))
+                        k_r.append((ks, ke))
+                        ty.append(t)
+        self.q_ranges, self.k_ranges, self.types = q_r, k_r, ty
+        self.positions = plan.position_ids(rank)
+        self.area = plan.ranks[rank].area
+        self._dev = None
+
+    def _tensors(self, device):
+        if self._dev is None:
+            as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, 2)  # noqa: E731
+            self._dev = (
+                as_t(self.q_ranges),
+                as_t(self.k_ranges),
+                torch.tensor(self.types, dtype=torch.int32, device=device),
+            )
+        return self._dev
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        pad = self.plan.padded_seqlen - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+        return x[torch.tensor(self.positions, device=x.device)]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp = dist.get_world_size(self.group)
+        kv = torch.cat([k, v], dim=-1)
+        full = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))
+        dist.all_gather_into_tensor(full, kv, group=self.group)
+        d = q.shape[-1]
+        qr, kr, ty = self._tensors(q.device)
+        return flex_flash_attn_func(q, full[..., :d], full[..., d:], qr, kr, ty)[0]

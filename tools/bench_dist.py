@@ -1,0 +1,161 @@
+"""Distributed attention forward benchmark (run with torchrun on N GPUs).
+
+    torchrun --standalone --nproc-per-node 2 tools/bench_dist.py [--totals 65536 131072]
+
+Per-GPU TFLOP/s of ``magi_dist.calc_attn`` (4·area·Hq·D / (max-rank time · cp)) for varlen causal
+and varlen full masks, beside, in the same run on the same inputs:
+  (a) the same per-GPU work without communication (each rank's stages on K/V it already has):
+      scaling efficiency = (a) time / calc_attn time;
+  (b) all-gather K/V context parallelism (Llama-3 / Kvax; tools/allgather_cp.py);
+  (c) PyTorch's experimental ``context_parallel`` (ring SDPA), which only expresses full/causal
+      masks: it runs the plain causal/full mask of the same length (its FLOPs counted on that mask).
+Prints a markdown table on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+import magi_dist as md
+from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig, masks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from allgather_cp import AllGatherCP
+from bench_solver import cu_seqlens, long_tailed_lengths
+
+
+def timeit(fn, iters: int, group) -> float:
+    """Max over ranks of the mean time of ``fn`` (seconds), after a warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / iters / 1e3], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def ring_sdpa_time(total, hq, d, causal, iters, group) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(group),))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, hq, total, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)
+    )
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        return timeit(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), iters, group
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--totals", type=int, nargs="+", default=[65536, 131072])
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hk", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--degree", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = dist.group.WORLD
+    rows = []
+    for total in args.totals:
+        lens = long_tailed_lengths(total, max(4, total // 8192), seed=total)
+        cu = cu_seqlens(lens)
+        for causal in (True, False):
+            name = f"varlen {'causal' if causal else 'full'} {total // 1024}k"
+            mask = masks.varlen(cu, causal=causal)
+            flops = 4 * mask.area() * args.hq * args.d
+            cfg = DistAttnConfig(
+                dispatch_config=DispatchConfig(chunk_size=args.chunk),
+                overlap_config=OverlapConfig(degree=args.degree),
+            )
+            key = md.magi_attn_varlen_key(
+                cu, cu, args.hq, args.hk, args.d, group, causal=causal, dist_attn_config=cfg
+            )
+            g = torch.Generator(device="cuda").manual_seed(rank)
+            rt = md.get_runtime(key)
+            n = rt.shard_seqlen
+
+            def rnd(h):
+                return torch.randn(n, h, args.d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: B023
+
+            q, k, v = rnd(args.hq), rnd(args.hk), rnd(args.hk)
+            t_magi = timeit(lambda: md.calc_attn(q, k, v, key), args.iters, group)  # noqa: B023
+
+            # (a) the same stages with K/V already in place: one call per stage on local K/V sized buffers
+            from ffa_kernels import ffa_forward_stage
+
+            stage_inputs = []
+            for st, calc in zip(
+                [rt.host_tensors(q.device), *rt.remote_tensors(q.device)],
+                [rt.me.calc.host, *rt.me.calc.remote],
+            ):
+                if st.empty:
+                    continue
+                kk = torch.randn(
+                    calc.total_seqlen_k, args.hk, args.d, device="cuda", dtype=torch.bfloat16, generator=g
+                )
+                stage_inputs.append((st, kk))
+
+            def compute_only():
+                out = torch.zeros(n, args.hq, args.d, device="cuda")  # noqa: B023
+                lse = torch.full((n, args.hq), float("-inf"), device="cuda")  # noqa: B023
+                for st, kk in stage_inputs:  # noqa: B023
+                    ffa_forward_stage(q, kk, kk, st.q_ranges, st.k_ranges, st.attn_types, out, lse)  # noqa: B023
+
+            t_local = timeit(compute_only, args.iters, group)
+
+            # (b) all-gather K/V baseline
+            ag = AllGatherCP(mask, group, args.chunk)
+            t_ag = timeit(lambda: ag.forward(q, k, v), args.iters, group)  # noqa: B023
+
+            # (c) torch context_parallel on the plain mask of the same length
+            try:
+                t_ring = ring_sdpa_time(ag.plan.padded_seqlen, args.hq, args.d, causal, args.iters, group)
+                plain = masks.causal(ag.plan.padded_seqlen) if causal else masks.full(ag.plan.padded_seqlen)
+                ring_tf = 4 * plain.area() * args.hq * args.d / (t_ring * cp) / 1e12
+            except Exception as e:  # an experimental API: report, do not abort the table
+                if rank == 0:
+                    print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
+                ring_tf = float("nan")
+            tf = lambda t, f=flops: f / (t * cp) / 1e12  # noqa: E731
+            rows.append(
+                (name, tf(t_magi), tf(t_local), t_local / t_magi, tf(t_ag), ring_tf, rt.plan.stats.imbalance)
+            )
+            md.clear_cache()
+    if rank == 0:
+        print(
+            f"\ncp {cp}, Hq {args.hq}, Hk {args.hk}, D {args.d}, bf16, chunk {args.chunk}, overlap degree {args.degree}"
+        )
+        print(
+            "| mask | magi calc_attn TFLOP/s/GPU | same load, no comm | scaling eff. | all-gather K/V | "
+            "torch context_parallel (plain mask) | imbalance |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1%} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()
