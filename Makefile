@@ -6,8 +6,8 @@ PIP    := $(PY) -m pip
 PKGS   := magi-solver ffa-kernels magi-comm magi-dist
 STAMP  := $(VENV)/.installed
 
-# CPU torch lies on disk (torch 2.13.0); a machine with a GPU keeps the torch it has.
-TORCH_SPEC ?= torch==2.13.0
+# CPU torch lies on disk (torch 2.13.0); where nvidia-smi exists, pip's default (CUDA) build.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 DEV_DEPS   := pytest pytest-xdist hypothesis ruff setuptools wheel "matplotlib>=3.7"
 
 .PHONY: venv test lint demo bench-solver clean
