@@ -98,12 +98,16 @@ def doc_positions(cu: list[int]) -> torch.Tensor:
 def run(rank: int, world: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = TinyLM().to(dtype)
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    model = TinyLM().to(device=device, dtype=dtype)
     ref = copy.deepcopy(model) if rank == 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr) if ref is not None else None
 
     cu, tokens, labels = make_batch(args.seqlen, 64, seed=1)
+    tokens, labels, positions = tokens.to(device), labels.to(device), doc_positions(cu).to(device)
     config = DistAttnConfig(
         dispatch_config=DispatchConfig(chunk_size=args.chunk),
         overlap_config=OverlapConfig(degree=args.degree),
@@ -118,10 +122,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     local_tokens = md.dispatch(tokens, key)
     local_labels = md.dispatch(labels, key, pad_value=-100)
-    local_pos = md.dispatch(doc_positions(cu), key)
+    local_pos = md.dispatch(positions, key)
     n_tokens = int((labels != -100).sum())
     mask = masks.varlen(cu, causal=True)
-    qr, kr, ts = (torch.tensor(x, dtype=torch.int32) for x in mask.to_lists())
+    qr, kr, ts = (torch.tensor(x, dtype=torch.int32, device=device) for x in mask.to_lists())
 
     def cp_attn(q, k, v):
         return md.calc_attn(q, k, v, key)[0]
@@ -142,7 +146,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict:
         row = {"step": step, "loss": float(total)}
         if ref is not None:
             ref_opt.zero_grad()
-            ref_loss = F.cross_entropy(ref(tokens, doc_positions(cu), full_attn), labels, ignore_index=-100)
+            ref_loss = F.cross_entropy(ref(tokens, positions, full_attn), labels, ignore_index=-100)
             ref_loss.backward()
             diff = max(
                 float((p.grad - r.grad).abs().max()) for p, r in zip(model.parameters(), ref.parameters())
@@ -201,6 +205,8 @@ def main(argv=None) -> dict | None:
             return torch.load(out)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
         return run(dist.get_rank(), dist.get_world_size(), args)
     finally:
