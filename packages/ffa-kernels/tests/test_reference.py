@@ -116,18 +116,25 @@ def _qkv(tq, tk, hq=2, hk=1, d=4, dtype=torch.float64, seed=0):
     )
 
 
-def test_uncovered_rows_zero_and_neg_inf():
-    q, k, v = _qkv(6, 5)
-    # rows 0 and 5 are not covered; row 1 is covered by a CAUSAL slice only from row 2 on
-    out, meta = flex_flash_attn_func(q, k, v, _int32([[1, 5]]), _int32([[0, 2]]), _int32([1], (1,)))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("tiles", [TILES[0], TILES[2]])
+def test_uncovered_rows_zero_and_neg_inf(dtype, softcap, tiles):
+    q, k, v = _qkv(6, 5, dtype=dtype)
+    # rows 0 and 5 are not covered; rows 1, 2 are in a CAUSAL slice with sq=4 > sk=2 (empty rows)
+    qr, kr, tm = _int32([[1, 5]]), _int32([[0, 2]]), _int32([1], (1,))
+    with tile_config(*tiles):
+        out, meta = flex_flash_attn_func(q, k, v, qr, kr, tm, softcap=softcap, return_max_logits=True)
+        dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
     for r in (0, 1, 2, 5):
         assert torch.equal(out[r], torch.zeros_like(out[r]))
         assert bool((meta.lse[r] == -math.inf).all())
-    assert bool(meta.lse[3:5].isfinite().all())
-    out.sum().backward()
-    for x in (q, k, v):
-        assert bool(x.grad.isfinite().all())
-    assert torch.equal(q.grad[[0, 1, 2, 5]], torch.zeros_like(q.grad[[0, 1, 2, 5]]))
+    assert bool(meta.lse[3:5].isfinite().all()) and bool(out[3:5].ne(0).any())
+    for g in grads:
+        assert bool(g.isfinite().all())
+    assert torch.equal(grads[0][[0, 1, 2, 5]], torch.zeros_like(grads[0][[0, 1, 2, 5]]))
+    assert bool(grads[0][3:5].ne(0).any()) and bool(grads[1].ne(0).any()) and bool(grads[2].ne(0).any())
 
 
 def test_uncovered_rows_with_sink():
@@ -176,25 +183,45 @@ def test_max_logits_per_head_and_before_softcap():
 
 
 def test_gqa_equals_repeated_kv():
+    """GQA = MHA with k/v repeated per group; dk/dv are the sums over the group's q heads."""
     q, k, v = _qkv(7, 9, hq=6, hk=2)
     qr, kr, tm = _int32([[0, 7], [0, 4]]), _int32([[0, 5], [5, 9]]), _int32([1, 2], (2,))
-    out, meta = flex_flash_attn_func(q, k, v, qr, kr, tm)
-    out_rep, meta_rep = flex_flash_attn_func(
-        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), qr, kr, tm
-    )
+    k_rep, v_rep = (x.detach().repeat_interleave(3, 1).requires_grad_() for x in (k, v))
+    out, meta = flex_flash_attn_func(q, k, v, qr, kr, tm, softcap=2.0)
+    out_rep, meta_rep = flex_flash_attn_func(q, k_rep, v_rep, qr, kr, tm, softcap=2.0)
     torch.testing.assert_close(out, out_rep, atol=1e-12, rtol=0)
     torch.testing.assert_close(meta.lse, meta_rep.lse)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    dq_rep, dk_rep, dv_rep = torch.autograd.grad(out_rep, (q, k_rep, v_rep), dout)
+    torch.testing.assert_close(dq, dq_rep, atol=1e-12, rtol=0)
+    # kv head j serves q heads 3j, 3j+1, 3j+2
+    torch.testing.assert_close(dk, dk_rep.view(9, 2, 3, 4).sum(2), atol=1e-12, rtol=0)
+    torch.testing.assert_close(dv, dv_rep.view(9, 2, 3, 4).sum(2), atol=1e-12, rtol=0)
 
 
 def test_non_contiguous_inputs():
-    q, k, v = _qkv(8, 8, hq=2, hk=2, d=6)
-    qt = q.detach().transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
-    qr = torch.tensor([[0, 99, 8, 99]], dtype=torch.int32)[:, ::2]  # non-contiguous ranges
-    kr = torch.tensor([[0, 8]], dtype=torch.int32)
-    assert not qt.is_contiguous() and not qr.is_contiguous()
-    out1, _ = flex_flash_attn_func(qt, k, v, qr, kr, _int32([1], (1,)))
-    out2, _ = flex_flash_attn_func(q, k, v, kr, kr, _int32([1], (1,)))
-    torch.testing.assert_close(out1, out2, atol=0, rtol=0)
+    """Transposed / strided views of q, k, v (and of the ranges) give bitwise the same result and
+    gradients as contiguous copies."""
+    q, k, v = _qkv(8, 9, hq=4, hk=2, d=6)
+    q_nc = q.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # same values
+    k_nc = k.detach().permute(2, 1, 0).contiguous().permute(2, 1, 0).requires_grad_()
+    v_wide = torch.randn(9, 2, 12, dtype=torch.float64)
+    v_wide[..., ::2] = v.detach()
+    v_nc = v_wide[..., ::2].requires_grad_()  # every other element of a wider tensor
+    qr = torch.tensor([[0, 99, 8, 99], [2, 99, 6, 99]], dtype=torch.int32)[:, ::2]  # non-contiguous
+    kr, tm = _int32([[0, 4], [4, 9]]), _int32([1, 3], (2,))
+    assert not any(x.is_contiguous() for x in (q_nc, k_nc, v_nc, qr))
+    kw = dict(softcap=1.0, return_max_logits=True)
+    out1, meta1 = flex_flash_attn_func(q_nc, k_nc, v_nc, qr, kr, tm, **kw)
+    out2, meta2 = flex_flash_attn_func(q, k, v, qr.contiguous(), kr, tm, **kw)
+    assert torch.equal(out1, out2) and torch.equal(meta1.lse, meta2.lse)
+    assert torch.equal(meta1.max_logits, meta2.max_logits)
+    dout = torch.randn(out1.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    g1 = torch.autograd.grad(out1, (q_nc, k_nc, v_nc), dout)
+    g2 = torch.autograd.grad(out2, (q, k, v), dout)
+    for a, b in zip(g1, g2):
+        assert not a.isnan().any() and torch.equal(a, b)
 
 
 def test_deterministic_bitwise():

@@ -214,3 +214,53 @@ def test_apply_sink_matches_oracle(layout):
     before = (out_acc.clone(), lse_acc.clone())
     apply_sink(out_acc, lse_acc, None, layout)  # no sink: no-op
     assert torch.equal(out_acc, before[0]) and torch.equal(lse_acc, before[1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "pattern"),
+    [
+        ("sh", (5, 1, 2), r"sink_layout='sh' must have shape \(S_sink, 2\).*\(5, 1, 2\)"),  # an "ssh" sink
+        ("ssh", (4, 1, 2), r"'ssh' must have shape \(5, S_sink, 2\).*\(4, 1, 2\)"),
+        ("sh", (0, 2), r"S_sink >= 1"),
+        ("hs", (1, 2), r"sink_layout must be 'sh' or 'ssh', got 'hs'"),
+    ],
+)
+def test_public_sink_helpers_validate_the_sink(layout, shape, pattern):
+    """A wrongly shaped sink must not broadcast silently (e.g. (Tq, 1, Hq) read as "sh")."""
+    out_acc, lse_acc = _fresh_acc(5, 2, 4)
+    lse_acc.normal_(generator=torch.Generator().manual_seed(0))
+    out_acc.normal_(generator=torch.Generator().manual_seed(1))
+    before = (out_acc.clone(), lse_acc.clone())
+    sink = torch.randn(*shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=pattern):
+        apply_sink(out_acc, lse_acc, sink, layout)
+    assert torch.equal(out_acc, before[0]) and torch.equal(lse_acc, before[1])  # untouched
+    with pytest.raises(ValueError, match=pattern):
+        sink_backward(sink, layout, out_acc, torch.randn_like(out_acc), lse_acc)
+
+
+def test_stage_accumulators_may_be_strided_views():
+    """Accumulators are written in place, never copied: strided views get the same result."""
+    rng = random.Random(9)
+    p = random_problem(rng, max_slices=5)
+    tq, hq, d = p.q.shape
+    tk, hk, _ = p.k.shape
+    args = (p.q_ranges, p.k_ranges, p.attn_type_map)
+    out_ref, lse_ref = _fresh_acc(tq, hq, d)
+    ffa_forward_stage(p.q, p.k, p.v, *args, out_ref, lse_ref, softcap=1.0)
+    out_big = torch.full((d, hq, tq), math.nan, dtype=torch.float64)
+    lse_big = torch.full((hq, 2 * tq), math.nan, dtype=torch.float64)
+    out_acc, lse_acc = out_big.permute(2, 1, 0), lse_big[:, ::2].t()
+    out_acc.zero_()
+    lse_acc.fill_(NEG_INF)
+    ffa_forward_stage(p.q, p.k, p.v, *args, out_acc, lse_acc, softcap=1.0)
+    assert torch.equal(out_acc, out_ref) and torch.equal(lse_acc, lse_ref)
+    assert bool(lse_big[:, 1::2].isnan().all())  # the gaps of the strided view are untouched
+
+    dout = torch.randn(tq, hq, d, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref = [torch.zeros(shape, dtype=torch.float64) for shape in ((tq, hq, d), (tk, hk, d), (tk, hk, d))]
+    ffa_backward_stage(dout, p.q, p.k, p.v, out_ref, lse_ref, *args, *ref, softcap=1.0)
+    views = [torch.zeros(x.shape[::-1], dtype=torch.float64).permute(2, 1, 0) for x in ref]
+    ffa_backward_stage(dout, p.q, p.k, p.v, out_ref, lse_ref, *args, *views, softcap=1.0)
+    for a, b in zip(views, ref):
+        assert not a.is_contiguous() and torch.equal(a, b)

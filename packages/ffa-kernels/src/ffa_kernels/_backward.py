@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _masks
-from ._forward import from_kv_major, to_kv_major
+from ._forward import block_queries, from_kv_major, tile_kv, to_kv_major
 from ._validate import ValidatedAttnArgs
 
 __all__ = ["backward_tile", "reference_backward_stage"]
@@ -99,8 +99,7 @@ def reference_backward_stage(
     for blk in _masks.iter_row_blocks(args.slices):
         r0, r1 = blk.q_start, blk.q_end
         rows = r1 - r0
-        # out-of-place scale: the kv-major view may alias q itself (Hk = G = 1)
-        qh = to_kv_major(q[r0:r1], hk, dtype).mul(args.softmax_scale)
+        qh = block_queries(q, blk, hk, dtype, args.softmax_scale)
         doh = to_kv_major(dout[r0:r1], hk, dtype)
         delta = (dout[r0:r1].to(dtype) * out[r0:r1].to(dtype)).sum(dim=-1, keepdim=True)  # (R, Hq, 1)
         delta_h = to_kv_major(delta, hk, dtype)
@@ -110,8 +109,7 @@ def reference_backward_stage(
         dq_blk = torch.zeros_like(qh)
         for tile in blk.tiles(hq, q.device):
             c0, c1 = tile.k_start, tile.k_end
-            kh = k[c0:c1].to(dtype).transpose(0, 1)
-            vh = v[c0:c1].to(dtype).transpose(0, 1)
+            kh, vh = tile_kv(k, v, tile, dtype)
             dq_t, dk_t, dv_t = backward_tile(qh, kh, vh, doh, lse_h, delta_h, tile.mask, group, args.softcap)
             dq_blk += dq_t
             dk_acc[c0:c1] += dk_t.transpose(0, 1).to(dk_acc.dtype)

@@ -19,7 +19,7 @@ from . import _masks
 from ._merge import merge_lse_
 from ._validate import ValidatedAttnArgs
 
-__all__ = ["forward_tile", "reference_forward_stage"]
+__all__ = ["block_queries", "forward_tile", "reference_forward_stage", "tile_kv"]
 
 _NEG_INF = float("-inf")
 
@@ -39,6 +39,25 @@ def from_kv_major(y: torch.Tensor, rows: int) -> torch.Tensor:
     rest = y.shape[2:]
     y = y.reshape(hk, g, rows, *rest).movedim(2, 0)
     return y.reshape(rows, hk * g, *rest)
+
+
+def block_queries(
+    q: torch.Tensor, blk: _masks.RowBlock, num_kv_heads: int, dtype: torch.dtype, scale: float
+) -> torch.Tensor:
+    """The row block's queries, kv-major ``(Hk, G * R, D)``, multiplied by ``scale``.
+
+    Out of place on purpose: for ``Hk = G = 1`` the kv-major view may alias ``q`` itself.
+    """
+    return to_kv_major(q[blk.q_start : blk.q_end], num_kv_heads, dtype).mul(scale)
+
+
+def tile_kv(
+    k: torch.Tensor, v: torch.Tensor, tile: _masks.Tile, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a tile's columns as ``(Hk, C, D)`` in ``dtype``."""
+    kh = k[tile.k_start : tile.k_end].to(dtype).transpose(0, 1)
+    vh = v[tile.k_start : tile.k_end].to(dtype).transpose(0, 1)
+    return kh, vh
 
 
 def forward_tile(
@@ -107,13 +126,11 @@ def reference_forward_stage(
     hq, hk = q.shape[1], k.shape[1]
     for blk in _masks.iter_row_blocks(args.slices):
         rows = blk.num_rows
-        # out-of-place scale: the kv-major view may alias q itself (Hk = G = 1)
-        qh = to_kv_major(q[blk.q_start : blk.q_end], hk, dtype).mul(args.softmax_scale)
+        qh = block_queries(q, blk, hk, dtype, args.softmax_scale)
         out_blk: torch.Tensor | None = None
         lse_blk: torch.Tensor | None = None
         for tile in blk.tiles(hq, q.device):
-            kh = k[tile.k_start : tile.k_end].to(dtype).transpose(0, 1)
-            vh = v[tile.k_start : tile.k_end].to(dtype).transpose(0, 1)
+            kh, vh = tile_kv(k, v, tile, dtype)
             out_t, lse_t, max_t = forward_tile(
                 qh, kh, vh, tile.mask, hq // hk, args.softcap, max_logits_acc is not None
             )

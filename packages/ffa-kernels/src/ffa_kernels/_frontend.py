@@ -18,7 +18,14 @@ from ._forward import reference_forward_stage
 from ._merge import merge_lse_
 from ._sink import apply_sink, sink_backward
 from ._types import AttnForwardMeta
-from ._validate import ValidatedAttnArgs, check_accumulator, check_sink, validate_attn_args
+from ._validate import (
+    ValidatedAttnArgs,
+    check_accumulator,
+    check_bool,
+    check_float_tensor,
+    check_sink,
+    validate_attn_args,
+)
 
 __all__ = ["ffa_backward_stage", "ffa_forward_stage", "flex_flash_attn_func"]
 
@@ -124,18 +131,6 @@ def ffa_forward_stage(
     _forward_stage(args, out_acc, lse_acc, max_logits_acc)
 
 
-def _check_float(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
-    return t
-
-
 def ffa_backward_stage(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -171,9 +166,9 @@ def ffa_backward_stage(
     tq, hq, d = args.q.shape
     tk, hk, _ = args.k.shape
     dev = args.q.device
-    dout = _check_float("dout", dout, (tq, hq, d), dev)
-    out = _check_float("out", out, (tq, hq, d), dev)
-    lse = _check_float("lse", lse, (tq, hq), dev)
+    dout = check_float_tensor("dout", dout, (tq, hq, d), dev)
+    out = check_float_tensor("out", out, (tq, hq, d), dev)
+    lse = check_float_tensor("lse", lse, (tq, hq), dev)
     check_accumulator("dq_acc", dq_acc, (tq, hq, d), dev)
     check_accumulator("dk_acc", dk_acc, (tk, hk, d), dev)
     check_accumulator("dv_acc", dv_acc, (tk, hk, d), dev)
@@ -201,7 +196,10 @@ class _FlexFlashAttn(torch.autograd.Function):
         max_logits = max_acc.to(torch.float32) if max_acc is not None else torch.empty(0, device=q.device)
         # The backward uses the accumulator-precision out/lse (not the rounded q.dtype copy).
         ctx.save_for_backward(q, k, v, sink, out_acc, lse_acc)
-        ctx.args = args
+        # q, k, v travel through save_for_backward only (version checks, freed after backward);
+        # keep the rest of the validated arguments with empty stand-ins for the tensors.
+        none = q.new_empty(0)
+        ctx.args = dataclasses.replace(args, q=none, k=none, v=none)
         ctx.sink_layout = sink_layout
         ctx.mark_non_differentiable(lse, max_logits)
         return out, lse, max_logits
@@ -221,12 +219,6 @@ class _FlexFlashAttn(torch.autograd.Function):
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out_acc, dout, lse_acc)
         return dq, dk, dv, dsink, None, None, None
-
-
-def _check_bool(name: str, x: object) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
-    return x
 
 
 def flex_flash_attn_func(
@@ -274,8 +266,8 @@ def flex_flash_attn_func(
     """
     args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     sink = check_sink(sink, sink_layout, args.q)
-    _check_bool("deterministic", deterministic)
-    _check_bool("return_max_logits", return_max_logits)
+    check_bool("deterministic", deterministic)
+    check_bool("return_max_logits", return_max_logits)
     out, lse, max_logits = _FlexFlashAttn.apply(
         args.q, args.k, args.v, sink, args, sink_layout, return_max_logits
     )

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ._merge import merge_lse_
+from ._validate import check_sink_shape
+
 __all__ = ["apply_sink", "sink_backward", "sink_lse"]
 
 _NEG_INF = float("-inf")
@@ -49,13 +52,12 @@ def apply_sink(
     """
     if sink is None:
         return
-    z = sink_lse(sink.to(lse_acc.dtype), sink_layout)
-    lse_new = torch.logaddexp(lse_acc, z.expand_as(lse_acc))
-    ref = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)  # all -inf: keep the scale finite (0)
-    empty = (lse_acc == _NEG_INF).unsqueeze(-1)
-    out_acc.mul_(torch.exp(lse_acc - ref).to(out_acc.dtype).unsqueeze(-1))
-    out_acc.masked_fill_(empty, 0.0)  # a row nothing covered has out = 0, whatever it held
-    lse_acc.copy_(lse_new)
+    check_sink_shape(sink, sink_layout, lse_acc.shape[0], lse_acc.shape[1])
+    # The sink is one more partial result over disjoint "keys": lse = logsumexp(sink) and a zero
+    # output. The log-sum-exp merge already handles every -inf case (and zeroes a row nothing
+    # covered, whatever it held), so reuse it instead of repeating its NaN-safe rescaling here.
+    z = sink_lse(sink.to(lse_acc.dtype), sink_layout).expand_as(lse_acc)
+    merge_lse_(out_acc, lse_acc, out_acc.new_zeros(()).expand_as(out_acc), z)
 
 
 def sink_backward(
@@ -73,6 +75,7 @@ def sink_backward(
     Returns:
         dsink, same shape and dtype as ``sink`` (math in float32, or float64 for float64 inputs).
     """
+    check_sink_shape(sink, sink_layout, lse.shape[0], lse.shape[1])
     dtype = torch.float64 if torch.float64 in (sink.dtype, out.dtype, lse.dtype) else torch.float32
     delta = (out.to(dtype) * dout.to(dtype)).sum(dim=-1)  # (Tq, Hq)
     lse = lse.to(dtype)
@@ -80,8 +83,6 @@ def sink_backward(
     z = sink.to(dtype)
     if sink_layout == "sh":
         z = z.unsqueeze(0)  # (1, S, Hq)
-    elif sink_layout != "ssh":
-        raise ValueError(f"sink_layout must be 'sh' or 'ssh', got {sink_layout!r}")
     grad = -(torch.exp(z - lse) * delta.unsqueeze(1))  # (Tq, S, Hq)
     if sink_layout == "sh":
         grad = grad.sum(dim=0)

@@ -18,7 +18,10 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "ValidatedAttnArgs",
     "check_accumulator",
+    "check_bool",
+    "check_float_tensor",
     "check_sink",
+    "check_sink_shape",
     "validate_attn_args",
 ]
 
@@ -119,15 +122,18 @@ def _check_ranges(
     if kr.shape[0] != n:
         raise ValueError(f"q_ranges and k_ranges must have the same N, got {qr.shape[0]} and {kr.shape[0]}")
     if attn_type_map is None:
-        tm = torch.zeros(n, dtype=torch.int32, device=device)
+        tm = torch.zeros(n, dtype=torch.int32, device=qr.device)
     else:
         tm = _check_index_tensor("attn_type_map", attn_type_map, device)
         if tm.dim() != 1 or tm.shape[0] != n:
             raise ValueError(f"attn_type_map must have shape (N,) = ({n},), got {tuple(tm.shape)}")
 
     # One host copy for all value checks (and for the reference backend's slice loop).
-    host = torch.cat([qr.to(device), kr.to(device), tm.to(device).view(-1, 1)], dim=1)
-    host = host.to(device="cpu", dtype=torch.int64)
+    parts = [qr, kr, tm.view(-1, 1)]
+    if len({t.device for t in parts}) > 1:  # mixed CPU / q's device: gather on q's device
+        parts = [t.to(device) for t in parts]
+    # Ranges already on the CPU stay there (no host -> device -> host round trip).
+    host = torch.cat(parts, dim=1).to(device="cpu", dtype=torch.int64)
     for name, cols, limit in (("q_ranges", (0, 1), tq), ("k_ranges", (2, 3), tk)):
         start, end = host[:, cols[0]], host[:, cols[1]]
         for bad, what in (
@@ -182,6 +188,30 @@ def validate_attn_args(
     return ValidatedAttnArgs(q, k, v, qr, kr, tm, slices, scale, cap)
 
 
+def check_sink_shape(sink: object, sink_layout: object, tq: int, hq: int) -> torch.Tensor:
+    """Check that ``sink`` is a tensor of the shape its layout needs for ``tq`` rows, ``hq`` heads.
+
+    ``"sh"``: ``(S_sink, hq)``; ``"ssh"``: ``(tq, S_sink, hq)``; ``S_sink >= 1``. Returns the sink
+    unchanged. Shared by `check_sink` and the public sink helpers (`apply_sink`, `sink_backward`),
+    where a wrong shape could otherwise broadcast silently (e.g. an ``(Tq, 1, Hq)`` sink as "sh").
+    """
+    if not isinstance(sink_layout, str) or sink_layout not in SINK_LAYOUTS:
+        raise ValueError(f"sink_layout must be 'sh' or 'ssh', got {sink_layout!r}")
+    sink = _require_tensor("sink", sink)
+    if sink_layout == "sh":
+        ok = sink.dim() == 2 and sink.shape[1] == hq and sink.shape[0] >= 1
+        expected = f"(S_sink, {hq})"
+    else:
+        ok = sink.dim() == 3 and sink.shape[0] == tq and sink.shape[2] == hq and sink.shape[1] >= 1
+        expected = f"({tq}, S_sink, {hq})"
+    if not ok:
+        raise ValueError(
+            f"sink with sink_layout={sink_layout!r} must have shape {expected} with S_sink >= 1, "
+            f"got {tuple(sink.shape)}"
+        )
+    return sink
+
+
 def check_sink(sink: object, sink_layout: object, q: torch.Tensor) -> torch.Tensor | None:
     """Validate a sink for queries ``q`` ``(Tq, Hq, D)``; return it contiguous (or None).
 
@@ -198,19 +228,31 @@ def check_sink(sink: object, sink_layout: object, q: torch.Tensor) -> torch.Tens
         raise TypeError(f"sink must be float32 (float64 allowed for float64 q), got {sink.dtype}")
     if sink.device != q.device:
         raise ValueError(f"sink must be on q's device ({q.device}), got {sink.device}")
-    tq, hq = q.shape[0], q.shape[1]
-    if sink_layout == "sh":
-        ok = sink.dim() == 2 and sink.shape[1] == hq and sink.shape[0] >= 1
-        expected = f"(S_sink, {hq})"
-    else:
-        ok = sink.dim() == 3 and sink.shape[0] == tq and sink.shape[2] == hq and sink.shape[1] >= 1
-        expected = f"({tq}, S_sink, {hq})"
-    if not ok:
-        raise ValueError(
-            f"sink with sink_layout={sink_layout!r} must have shape {expected} with S_sink >= 1, "
-            f"got {tuple(sink.shape)}"
-        )
-    return sink.contiguous()
+    return check_sink_shape(sink, sink_layout, q.shape[0], q.shape[1]).contiguous()
+
+
+def check_float_tensor(
+    name: str,
+    t: object,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> torch.Tensor:
+    """Check a float tensor argument (shape, dtype, device); return it unchanged (not copied).
+
+    ``dtypes`` None accepts any floating-point dtype.
+    """
+    t = _require_tensor(name, t)
+    if dtypes is None:
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    elif t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t
 
 
 def check_accumulator(
@@ -220,12 +262,12 @@ def check_accumulator(
 
     ``dtype`` None means float32 or float64.
     """
-    t = _require_tensor(name, t)
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    allowed = (dtype,) if dtype is not None else (torch.float32, torch.float64)
-    if t.dtype not in allowed:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, allowed))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
-    return t
+    dtypes = (dtype,) if dtype is not None else (torch.float32, torch.float64)
+    return check_float_tensor(name, t, shape, device, dtypes)
+
+
+def check_bool(name: str, x: object) -> bool:
+    """A flag argument: a real ``bool`` (not 0/1, not a string)."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return x

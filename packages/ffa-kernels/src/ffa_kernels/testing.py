@@ -98,7 +98,9 @@ def dense_attention(
     neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
     max_logits = torch.where(mask, raw.detach(), neg_inf).reshape(hq, -1)
     max_logits = (
-        max_logits.amax(-1) if max_logits.shape[1] else torch.full((hq,), float("-inf"), dtype=q.dtype)
+        max_logits.amax(-1)
+        if max_logits.shape[1]
+        else torch.full((hq,), float("-inf"), dtype=q.dtype, device=q.device)
     )
     s = softcap * torch.tanh(raw / softcap) if softcap > 0 else raw
     # A huge finite value instead of -inf for hidden cells keeps autograd free of NaN; rows with
