@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PKGS   := magi-solver ffa-kernels magi-comm magi-dist
+# CuTe DSL compiles the kernels without a GPU, so CI builds every variant for sm_90a.
+EXTRAS_ffa-kernels := [cute]
 STAMP  := $(VENV)/.installed
 
 # CPU torch lies on disk (torch 2.13.0); where nvidia-smi exists, pip's default (CUDA) build.
@@ -18,7 +20,7 @@ $(STAMP): Makefile $(foreach p,$(PKGS),packages/$(p)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)" $(DEV_DEPS)
-	$(PIP) install -q --no-build-isolation $(foreach p,$(PKGS),-e packages/$(p))
+	$(PIP) install -q --no-build-isolation $(foreach p,$(PKGS),-e "packages/$(p)$(EXTRAS_$(p))")
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -1,0 +1,57 @@
+"""Tile / pipeline configuration of the sm90 forward kernel (pure Python, no cutlass import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Static shape of one compiled forward kernel.
+
+    Everything here is part of the JIT compile key; nothing here depends on the call's
+    sequence lengths, head counts or range contents (those are runtime values).
+    """
+
+    head_dim: int = 128
+    tile_m: int = 128  # q rows per CTA (64 per consumer warpgroup)
+    tile_n: int = 128  # k rows per K/V pipeline stage
+    num_stages: int = 2  # K and V shared-memory stages (each)
+    num_mma_wg: int = 2  # consumer warpgroups issuing WGMMA
+    mma_regs: int = 240  # setmaxnreg for consumer warpgroups
+    producer_regs: int = 24  # setmaxnreg for the TMA producer warpgroup
+    intra_wg_overlap: bool = True  # overlap QK^T of block j with PV of block j-1
+    pingpong: bool = True  # named-barrier ping-pong between the consumer warpgroups (with overlap)
+    rescale_threshold: float = 8.0  # lazy rescaling: keep a stale row max up to 2**thr (log2 units)
+
+    def __post_init__(self) -> None:
+        assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
+        assert self.num_mma_wg == 2, "the ping-pong schedule is written for 2 consumer warpgroups"
+        assert self.tile_m == 64 * self.num_mma_wg
+        assert self.tile_n % 16 == 0 and self.tile_n <= 256
+        assert self.num_stages >= 2
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_mma_wg + 1)
+
+    def key(self) -> tuple:
+        return (
+            self.head_dim,
+            self.tile_m,
+            self.tile_n,
+            self.num_stages,
+            self.num_mma_wg,
+            self.mma_regs,
+            self.producer_regs,
+            self.intra_wg_overlap,
+            self.pingpong,
+            self.rescale_threshold,
+        )
+
+
+def default_config(head_dim: int) -> FwdConfig:
+    """FA3-style choice: 128x128 tiles, 2 consumer warpgroups; hdim 64 gets one more K/V stage."""
+    if head_dim == 64:
+        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=3)
+    return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)

@@ -1,0 +1,564 @@
+"""FFA forward kernel for sm90 (device code), written in CuTe DSL.
+
+Warp specialisation (384 threads at tile_m = 128):
+  warpgroup 0, warp 0  TMA producer: Q once, then K/V blocks of every plan entry of the tile
+                       through ``num_stages``-deep K and V pipelines (K runs one block ahead
+                       of V, matching the consumers' order);
+  warpgroups 1..n      consumers: 64 q rows each; S = Q K^T and O += P V with WGMMA,
+                       P kept in registers (RS wgmma), online softmax in the log2 domain.
+With ``intra_wg_overlap`` the S GEMM of block j is in flight together with the PV GEMM of
+block j-1 while the softmax of block j runs; with ``pingpong`` the two consumer warpgroups
+take turns issuing GEMMs (named barriers), so one's softmax overlaps the other's GEMMs.
+
+One CTA per (work tile, head); the plan (plan.py) lists per work tile its entries
+(slice pieces) and the K/V blocks they need; blocks fully inside a slice skip masking,
+partial ones get the band mask, empty ones are never planned (never loaded).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils import LayoutEnum
+
+from .config import FwdConfig
+from .masking import apply_band_mask, block_is_full, score_coords
+from .mma import acc_as_operand_a, acc_rows_cols, smem_transpose, wgmma
+from .pipeline import (
+    NamedBarrier,
+    consumer_wait,
+    make_tma_pipelines,
+    sched_barrier_arrive,
+    sched_barrier_sync,
+    tma_load_rows,
+)
+from .plan import ENTRY_COLS
+from .softmax import finalize, init_state, online_step, rescale_rows
+
+FLAG_HAS_SINK = 1
+FLAG_MAX_LOGITS = 2
+HEAD_GROUP_SHIFT = 8  # flags >> 8: number of q heads per L2 group (CTA order)
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None):
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
+
+
+class FFAForwardSm90:
+    """One compiled kernel per (dtype, FwdConfig, softcap on/off)."""
+
+    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool):
+        self.dtype = dtype
+        self.cfg = cfg
+        self.has_softcap = has_softcap
+        self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+
+    # ------------------------------------------------------------------ host side (traced)
+    @cute.jit
+    def __call__(
+        self,
+        ptr_q: cute.Pointer,  # (Tq, Hq, D) contiguous
+        ptr_k: cute.Pointer,  # (Tk, Hk, D) contiguous
+        ptr_v: cute.Pointer,  # (Tk, Hk, D) contiguous
+        ptr_o: cute.Pointer,  # (Tq, Hq, D) contiguous
+        ptr_lse: cute.Pointer,  # (Tq, Hq) f32
+        ptr_work: cute.Pointer,  # (W, 4) i32
+        ptr_ent: cute.Pointer,  # (E, 8) i32
+        ptr_sink: cute.Pointer,  # (Tq, Hq) f32, natural-log LSE of the sink logits (dummy if none)
+        ptr_maxlogit: cute.Pointer,  # (Hq,) f32, -inf initialised (dummy if not requested)
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_k: Int32,
+        num_work: Int32,
+        num_entries: Int32,
+        scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
+        score_premul: Float32,  # softmax_scale / softcap (softcap only)
+        softmax_scale: Float32,
+        flags: Int32,
+        stream: cuda.CUstream,
+    ):
+        D = self.hdim
+        hq64 = cutlass.Int64(num_heads_q)
+        hk64 = cutlass.Int64(num_heads_k)
+        mQ = cute.make_tensor(ptr_q, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
+        mK = cute.make_tensor(ptr_k, cute.make_layout((total_k, num_heads_k, D), stride=(hk64 * D, D, 1)))
+        mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, D), stride=(hk64 * D, D, 1)))
+        mO = cute.make_tensor(ptr_o, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
+        mLSE = cute.make_tensor(ptr_lse, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
+        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
+        mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
+        mSinkLse = cute.make_tensor(ptr_sink, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
+        mMaxLogit = cute.make_tensor(ptr_maxlogit, cute.make_layout((num_heads_q,), stride=(1,)))
+        qhead_per_kvhead = num_heads_q // num_heads_k
+        cfg = self.cfg
+        # (T, H, D) -> (T, D, H): the sequence axis first, head last, for TMA
+        mQt = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+        mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
+
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.hdim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.hdim, None)
+        sK_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
+        sV_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
+
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, self.hdim))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            op, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1
+        )
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            op, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1
+        )
+        mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_layout, (self.tile_m, self.hdim)
+        )
+        elem_bytes = self.dtype.width // 8
+        self.bytes_q = self.tile_m * self.hdim * elem_bytes
+        self.bytes_kv = self.tile_n * self.hdim * elem_bytes
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        num_heads = num_heads_q
+        self.kernel(
+            tma_q,
+            tma_k,
+            tma_v,
+            tma_atom_q,
+            tma_atom_k,
+            tma_atom_v,
+            tma_o,
+            tma_atom_o,
+            mLSE,
+            mWork,
+            mEnt,
+            mSinkLse,
+            mMaxLogit,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            scale_log2,
+            score_premul,
+            softmax_scale,
+            qhead_per_kvhead,
+            num_work,
+            num_heads,
+            flags,
+            SharedStorage,
+        ).launch(
+            grid=[num_work * num_heads, 1, 1],
+            block=[cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.Tensor,
+        tma_k: cute.Tensor,
+        tma_v: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_o: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        mLSE: cute.Tensor,
+        mWork: cute.Tensor,
+        mEnt: cute.Tensor,
+        mSinkLse: cute.Tensor,
+        mMaxLogit: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        scale_log2: Float32,
+        score_premul: Float32,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        num_work: Int32,
+        num_heads: Int32,
+        flags: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_q)
+            cpasync.prefetch_descriptor(tma_atom_k)
+            cpasync.prefetch_descriptor(tma_atom_v)
+            cpasync.prefetch_descriptor(tma_atom_o)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipe_q, pipe_k, pipe_v = make_tma_pipelines(storage, cfg, self.bytes_q, self.bytes_kv, self.bytes_kv)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # work item of this CTA
+        bid, _, _ = cute.arch.block_idx()
+        # CTA order: heads in groups of G (K/V of a group fit in L2); inside a group the work
+        # tiles go longest first, the G heads of one tile next to each other.
+        group = flags >> HEAD_GROUP_SHIFT
+        per_group = num_work * group
+        g = bid // per_group
+        h0 = g * group
+        gsz = cutlass.min(group, num_heads - h0)
+        idx = bid - g * per_group
+        w = idx // gsz
+        head = h0 + idx - w * gsz
+        m0 = mWork[w, 0]
+        e0 = mWork[w, 1]
+        e1 = mWork[w, 2]
+        nb_total = mWork[w, 3]
+        head_kv = head // qhead_per_kvhead
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.producer(
+                    tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
+                    pipe_q, pipe_k, pipe_v, mEnt, m0, e0, e1, nb_total, head, head_kv,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(cfg.mma_regs)
+            self.consumer(
+                tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
+                scale_log2, score_premul, softmax_scale, flags,
+            )  # fmt: skip
+
+    @cute.jit
+    def producer(
+        self, tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
+        pipe_q, pipe_k, pipe_v, mEnt, m0, e0, e1, nb_total, head, head_kv,
+    ):  # fmt: skip
+        cfg = self.cfg
+        gQ = tma_q[None, None, head]
+        gK = tma_k[None, None, head_kv]
+        gV = tma_v[None, None, head_kv]
+        q_state = make_pipeline_state(PipelineUserType.Producer, 1)
+        k_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
+        v_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
+        if nb_total > 0:
+            kb = mEnt[e0, 0]
+            # K of block 0 first, then Q (both needed by the first GEMM)
+            pipe_k.producer_acquire(k_state)
+            tma_load_rows(tma_atom_k, gK, kb, self.tile_n, self.hdim, sK, k_state.index,
+                          pipe_k.producer_get_barrier(k_state))  # fmt: skip
+            k_state.advance()
+            pipe_q.producer_acquire(q_state)
+            tma_load_rows(tma_atom_q, gQ, m0, self.tile_m, self.hdim, sQ, None,
+                          pipe_q.producer_get_barrier(q_state))  # fmt: skip
+            if cutlass.const_expr(not cfg.intra_wg_overlap):
+                pipe_v.producer_acquire(v_state)
+                tma_load_rows(tma_atom_v, gV, kb, self.tile_n, self.hdim, sV, v_state.index,
+                              pipe_v.producer_get_barrier(v_state))  # fmt: skip
+                v_state.advance()
+            kb_prev = kb
+            j_start = Int32(1)
+            for e in cutlass.range(e0, e1, unroll=1):
+                k_lo = mEnt[e, 0]
+                nblk = mEnt[e, 1]
+                for j in cutlass.range(j_start, nblk, unroll=1):
+                    kb = k_lo + j * self.tile_n
+                    pipe_k.producer_acquire(k_state)
+                    tma_load_rows(tma_atom_k, gK, kb, self.tile_n, self.hdim, sK, k_state.index,
+                                  pipe_k.producer_get_barrier(k_state))  # fmt: skip
+                    k_state.advance()
+                    vb = kb_prev  # V runs one block behind K (consumers' order)
+                    if cutlass.const_expr(not cfg.intra_wg_overlap):
+                        vb = kb
+                    pipe_v.producer_acquire(v_state)
+                    tma_load_rows(tma_atom_v, gV, vb, self.tile_n, self.hdim, sV, v_state.index,
+                                  pipe_v.producer_get_barrier(v_state))  # fmt: skip
+                    v_state.advance()
+                    kb_prev = kb
+                j_start = Int32(0)
+            if cutlass.const_expr(cfg.intra_wg_overlap):
+                pipe_v.producer_acquire(v_state)
+                tma_load_rows(tma_atom_v, gV, kb_prev, self.tile_n, self.hdim, sV, v_state.index,
+                              pipe_v.producer_get_barrier(v_state))  # fmt: skip
+                v_state.advance()
+
+    @cute.jit
+    def scores(
+        self,
+        acc_S: cute.Tensor,
+        tScS: cute.Tensor,
+        t0ScS: cute.Tensor,
+        ks,
+        ke,
+        lo,
+        hi,
+        qs,
+        qe,
+        kb,
+        m0,
+        score_premul: Float32,
+        raw_max: cute.Tensor,
+        track_max,
+        masked: cutlass.Constexpr = None,
+    ):
+        """Mask (masked=True; None: decide at run time), track the pre-softcap max, apply softcap."""
+        if cutlass.const_expr(masked is None):
+            full = block_is_full(kb, m0, self.tile_m, self.tile_n, ks, ke, lo, hi, qs, qe)
+            if not full:
+                apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe)
+        elif cutlass.const_expr(masked):
+            apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe)
+        if cutlass.const_expr(self.has_softcap):
+            s = acc_rows_cols(acc_S)
+            if track_max:
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    mx = raw_max[r]
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        mx = cute.arch.fmax(mx, s[r, c])
+                    raw_max[r] = mx
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                x = acc_S[i]
+                y = cute.math.tanh(x * score_premul, fastmath=True)
+                acc_S[i] = y if x != -Float32.inf else -Float32.inf
+
+    @cute.jit
+    def overlap_step(
+        self, masked: cutlass.Constexpr[bool], wg_idx, tiled_mma_qk, tiled_mma_pv, acc_S, tSrQ, tSrK, tOrVt, tOrP,
+        acc_O, pipe_k, pipe_v, k_state, v_state, tScS, t0ScS, ks, ke, lo, hi, qs, qe, kb, m0,
+        score_premul, raw_max, track_max, row_max, row_sum, row_scale, true_max, scale_log2,
+    ):  # fmt: skip
+        """One K/V block with intra-warpgroup overlap: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in
+        flight together; softmax of S_j while the PV GEMM runs. K_j was waited for by the caller;
+        the caller advances the pipeline states."""
+        cfg = self.cfg
+        sched_barrier_sync(cfg.pingpong, wg_idx)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+        consumer_wait(pipe_v, v_state)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        sched_barrier_arrive(cfg.pingpong, wg_idx)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(k_state)
+        self.scores(
+            acc_S, tScS, t0ScS, ks, ke, lo, hi, qs, qe, kb, m0, score_premul, raw_max, track_max, masked
+        )
+        online_step(row_max, row_sum, acc_S, row_scale, true_max, scale_log2, cfg.rescale_threshold)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        rescale_rows(acc_O, row_scale)
+
+    @cute.jit
+    def serial_step(
+        self, masked: cutlass.Constexpr[bool], wg_idx, tiled_mma_qk, tiled_mma_pv, acc_S, tSrQ, tSrK, tOrVt, tOrP,
+        acc_O, pipe_k, pipe_v, k_state, v_state, tScS, t0ScS, ks, ke, lo, hi, qs, qe, kb, m0,
+        score_premul, raw_max, track_max, row_max, row_sum, row_scale, true_max, scale_log2,
+    ):  # fmt: skip
+        """One K/V block without intra-warpgroup overlap (S, softmax, then O += P V)."""
+        cfg = self.cfg
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+        pipe_k.consumer_release(k_state)
+        self.scores(
+            acc_S, tScS, t0ScS, ks, ke, lo, hi, qs, qe, kb, m0, score_premul, raw_max, track_max, masked
+        )
+        online_step(row_max, row_sum, acc_S, row_scale, true_max, scale_log2, cfg.rescale_threshold)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        rescale_rows(acc_O, row_scale)
+        consumer_wait(pipe_v, v_state)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+        pipe_v.consumer_release(v_state)
+
+    @cute.jit
+    def consumer(
+        self, ctid, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+        tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
+        scale_log2, score_premul, softmax_scale, flags,
+    ):  # fmt: skip
+        cfg = self.cfg
+        wg_idx = cute.arch.make_warp_uniform(ctid // 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(ctid)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        sVt = smem_transpose(sV)
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_O.fill(0.0)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+
+        tScS = score_coords(thr_mma_qk, self.tile_m, self.tile_n)
+        t0ScS = score_coords(tiled_mma_qk.get_slice(0), self.tile_m, self.tile_n)
+
+        num_rows = cute.size(acc_rows_cols(acc_O), mode=[0])
+        row_max, row_sum = init_state(num_rows)
+        row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        raw_max = cute.make_rmem_tensor(num_rows, Float32)
+        raw_max.fill(-Float32.inf)
+        true_max = cute.make_rmem_tensor(num_rows, Float32)
+        true_max.fill(-Float32.inf)
+        track_max = (flags & FLAG_MAX_LOGITS) != 0
+
+        q_state = make_pipeline_state(PipelineUserType.Consumer, 1)
+        k_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
+        v_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
+
+        if nb_total > 0:
+            if cutlass.const_expr(cfg.pingpong):  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
+                if wg_idx == 0:
+                    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SchedWG1), number_of_threads=256)
+            consumer_wait(pipe_q, q_state)
+            # ---- block 0: S = Q K^T, softmax, P
+            consumer_wait(pipe_k, k_state)
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+            pipe_k.consumer_release(k_state)
+            k_state.advance()
+            self.scores(
+                acc_S, tScS, t0ScS, mEnt[e0, 2], mEnt[e0, 3], mEnt[e0, 4], mEnt[e0, 5], mEnt[e0, 6], mEnt[e0, 7],
+                mEnt[e0, 0], m0, score_premul, raw_max, track_max,
+            )  # fmt: skip
+            online_step(row_max, row_sum, acc_S, row_scale, true_max, scale_log2, cfg.rescale_threshold)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            if cutlass.const_expr(not cfg.intra_wg_overlap):
+                consumer_wait(pipe_v, v_state)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+            # ---- remaining blocks, entry by entry; per entry: masked head, unmasked middle, masked tail
+            step = self.overlap_step if cutlass.const_expr(cfg.intra_wg_overlap) else self.serial_step
+            j_start = Int32(1)
+            for e in cutlass.range(e0, e1, unroll=1):
+                k_lo = mEnt[e, 0]
+                nblk = mEnt[e, 1]
+                ks = mEnt[e, 2]
+                ke = mEnt[e, 3]
+                lo = mEnt[e, 4]
+                hi = mEnt[e, 5]
+                qs = mEnt[e, 6]
+                qe = mEnt[e, 7]
+                h_end = cutlass.max(j_start, mEnt[e, 8])
+                f_end = cutlass.max(h_end, mEnt[e, 9])
+                for seg in cutlass.range_constexpr(3):
+                    seg_lo = (j_start, h_end, f_end)[seg]
+                    seg_hi = (h_end, f_end, nblk)[seg]
+                    for j in cutlass.range(seg_lo, seg_hi, unroll=1):
+                        kb = k_lo + j * self.tile_n
+                        consumer_wait(pipe_k, k_state)
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        step(
+                            seg != 1, wg_idx, tiled_mma_qk, tiled_mma_pv, acc_S, tSrQ, tSrK, tOrVt, tOrP, acc_O,
+                            pipe_k, pipe_v, k_state, v_state, tScS, t0ScS, ks, ke, lo, hi, qs, qe, kb, m0,
+                            score_premul, raw_max, track_max, row_max, row_sum, row_scale, true_max, scale_log2,
+                        )  # fmt: skip
+                        k_state.advance()
+                        v_state.advance()
+                j_start = Int32(0)
+            if cutlass.const_expr(cfg.intra_wg_overlap):
+                consumer_wait(pipe_v, v_state)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+                pipe_v.consumer_release(v_state)
+                v_state.advance()
+
+        # ---- epilogue
+        thr_mma_pv = tiled_mma_pv.get_slice(ctid)
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        total_q = mLSE.shape[0]
+        sink_lse = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m0 + tOcO[r, 0][0]
+            sv = -Float32.inf
+            if (flags & FLAG_HAS_SINK) != 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
+                if row < total_q:
+                    sv = mSinkLse[row, head]
+            sink_lse[r] = sv
+        row_inv = cute.make_rmem_tensor(num_rows, Float32)
+        row_lse = cute.make_rmem_tensor(num_rows, Float32)
+        finalize(row_max, row_sum, scale_log2, sink_lse, row_inv, row_lse)
+        rescale_rows(acc_O, row_inv)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # O: registers -> smem (reusing Q's buffer: each warpgroup only overwrites its own 64 Q
+        # rows, which its own last GEMM has finished reading) -> one TMA store of the tile.
+        # Every row of the tile belongs to this work tile; rows past Tq are clipped by TMA.
+        sO = sQ
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(ctid)
+        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
+        if ctid < 32:
+            gO = cute.local_tile(
+                cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim), (0, 0)
+            )
+            s_part, g_part = cpasync.tma_partition(
+                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_o, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
+        col0 = tOcO[0, 0][1]
+        if col0 == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = m0 + tOcO[r, 0][0]
+                if row < total_q:
+                    mLSE[row, head] = row_lse[r]
+        if track_max:
+            mx = -Float32.inf
+            for r in cutlass.range_constexpr(num_rows):
+                if cutlass.const_expr(self.has_softcap):
+                    mx = cute.arch.fmax(mx, raw_max[r])
+                else:
+                    mx = cute.arch.fmax(mx, true_max[r])
+            mx = cute.arch.warp_reduction_max(mx)
+            if cute.arch.lane_idx() == 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
+                if mx != -Float32.inf:
+                    cute.arch.atomic_fmax(mMaxLogit.iterator + head, mx * softmax_scale)
+        if ctid < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,85 @@
+"""Pipeline helpers (device side): named barriers, TMA tile loads, K/V/Q pipelines."""
+
+from __future__ import annotations
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync
+
+
+class NamedBarrier(enum.IntEnum):
+    # 0 is __syncthreads
+    SchedWG1 = 1
+    SchedWG2 = 2
+    SchedWG3 = 3
+    Epilogue = 4
+
+
+def make_tma_pipelines(storage, cfg, bytes_q: int, bytes_k: int, bytes_v: int):
+    """Q (1 stage), K and V (cfg.num_stages each): TMA producer (one thread), consumers = MMA warps."""
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_mma_wg * 4)
+    pipe_q = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_q.data_ptr(),
+        num_stages=1,
+        producer_group=producer,
+        consumer_group=consumers,
+        tx_count=bytes_q,
+        defer_sync=True,
+    )
+    pipe_k = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_k.data_ptr(),
+        num_stages=cfg.num_stages,
+        producer_group=producer,
+        consumer_group=consumers,
+        tx_count=bytes_k,
+        defer_sync=True,
+    )
+    pipe_v = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_v.data_ptr(),
+        num_stages=cfg.num_stages,
+        producer_group=producer,
+        consumer_group=consumers,
+        tx_count=bytes_v,
+        defer_sync=True,
+    )
+    return pipe_q, pipe_k, pipe_v
+
+
+def tma_load_rows(atom, g_rows: cute.Tensor, row0, tile_rows: int, tile_cols: int, s_dst, stage, bar_ptr):
+    """TMA-load rows [row0, row0 + tile_rows) of the 2-D (rows, cols) tma tensor into s_dst.
+
+    s_dst is (tile_rows, tile_cols) or, with ``stage`` not None, (tile_rows, tile_cols, STAGES).
+    Rows past the end of the tensor are zero-filled by the TMA unit.
+    """
+    g_tile = cute.local_tile(cute.domain_offset((row0, 0), g_rows), (tile_rows, tile_cols), (0, 0))
+    s_part, g_part = cpasync.tma_partition(
+        atom,
+        0,
+        cute.make_layout(1),
+        cute.group_modes(s_dst, 0, 2),
+        cute.group_modes(g_tile, 0, 2),
+    )
+    if cutlass.const_expr(stage is None):
+        cute.copy(atom, g_part, s_part, tma_bar_ptr=bar_ptr)
+    else:
+        cute.copy(atom, g_part, s_part[None, stage], tma_bar_ptr=bar_ptr)
+
+
+def consumer_wait(pipe, state):
+    pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+
+
+def sched_barrier_sync(enabled: bool, wg_idx):
+    """Wait for this consumer warpgroup's turn to issue WGMMAs (ping-pong between 2 WGs)."""
+    if cutlass.const_expr(enabled):
+        cute.arch.barrier(barrier_id=int(NamedBarrier.SchedWG1) + wg_idx, number_of_threads=256)
+
+
+def sched_barrier_arrive(enabled: bool, wg_idx):
+    """Hand the WGMMA issue slot to the other consumer warpgroup."""
+    if cutlass.const_expr(enabled):
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SchedWG1) + (1 - wg_idx), number_of_threads=256)

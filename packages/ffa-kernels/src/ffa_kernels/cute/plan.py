@@ -1,0 +1,203 @@
+"""Host-side, vectorised torch "plan": attention slices -> work tiles for the sm90 kernel.
+
+Every slice is rewritten as a *band*: it covers cell (q, k) iff
+
+    qs <= q < qe,   ks <= k < ke,   lo <= k - q <= hi
+
+with lo = ks - qs for INVCAUSAL/BICAUSAL (else -BIG) and hi = ke - qe for CAUSAL/BICAUSAL
+(else +BIG). This is exactly the API.md definition (CAUSAL: j <= i + sk - sq, i.e.
+k - q <= ke - qe; INVCAUSAL: j >= i, i.e. k - q >= ks - qs).
+
+The q axis is cut into fixed tiles of ``tile_m`` rows. A work tile is one q tile; its entries
+are the (slice ∩ tile) pieces that are not empty, each with the k interval it needs
+[k_lo, k_lo + nblk * tile_n). Slices that share q rows simply become several entries of the
+same work tile, so the kernel merges them in its online softmax: no atomics, no second pass.
+Every q tile is a work tile (possibly with zero entries), so every row of ``out``/``lse`` is
+written by the kernel (uncovered rows: out = 0, lse = -inf) and no memset is needed.
+
+Tables (int32, on the device):
+  work    (W, 4): m0, entry_begin, entry_end, total_blocks        (longest first)
+  entries (E, 12): k_lo, nblk, ks, ke, lo, hi, qs, qe, jf_lo, jf_hi, 0, 0
+Blocks j in [jf_lo, jf_hi) of an entry (first key k_lo + j * tile_n) are fully covered: the
+kernel runs them without any masking; the others get the band mask.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+BIG = 1 << 30
+ENTRY_COLS = 12
+
+FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
+
+
+@dataclass
+class FwdPlan:
+    work: torch.Tensor  # int32 (W, 4)
+    entries: torch.Tensor  # int32 (max(E,1), ENTRY_COLS)
+    num_work: int
+    num_entries: int
+    total_blocks: int  # sum over work tiles of K/V blocks (per head)
+    ptrs: tuple | None = None  # launch-side cache (cute pointers to work / entries)
+
+
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a + (b - 1), b, rounding_mode="floor")
+
+
+def build_plan_cpu(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    total_q: int,
+    tile_m: int,
+    tile_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pure CPU torch version. Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+    qr = q_ranges.to("cpu", torch.int64).reshape(-1, 2)
+    kr = k_ranges.to("cpu", torch.int64).reshape(-1, 2)
+    n = qr.shape[0]
+    if attn_type_map is None:
+        typ = torch.zeros(n, dtype=torch.int64)
+    else:
+        typ = attn_type_map.to("cpu", torch.int64).reshape(-1)
+    qs, qe = qr[:, 0], qr[:, 1]
+    ks, ke = kr[:, 0], kr[:, 1]
+    has_lo = (typ == INVCAUSAL) | (typ == BICAUSAL)
+    has_hi = (typ == CAUSAL) | (typ == BICAUSAL)
+    lo = torch.where(has_lo, ks - qs, torch.full_like(qs, -BIG))
+    hi = torch.where(has_hi, ke - qe, torch.full_like(qs, BIG))
+    # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
+    qs_eff = torch.maximum(qs, ks - hi)
+    qe_eff = torch.minimum(qe, ke - lo)
+    keep = (qs_eff < qe_eff) & (ks < ke)
+    qs, qe, ks, ke, lo, hi = (x[keep] for x in (qs, qe, ks, ke, lo, hi))
+    qs_eff, qe_eff = qs_eff[keep], qe_eff[keep]
+
+    num_tiles = (total_q + tile_m - 1) // tile_m
+    # (slice, q tile) pairs
+    t0 = torch.div(qs_eff, tile_m, rounding_mode="floor")
+    t1 = torch.div(qe_eff - 1, tile_m, rounding_mode="floor")
+    cnt = (t1 - t0 + 1).clamp_min(0)
+    sl = torch.repeat_interleave(torch.arange(qs.shape[0]), cnt)
+    first = torch.cumsum(cnt, 0) - cnt
+    tile = t0[sl] + (torch.arange(sl.shape[0]) - first[sl])
+    m0 = tile * tile_m
+    r0 = torch.maximum(qs_eff[sl], m0)
+    r1 = torch.minimum(qe_eff[sl], m0 + tile_m)  # exclusive
+    k_lo = torch.maximum(ks[sl], r0 + lo[sl])
+    k_hi = torch.minimum(ke[sl], r1 - 1 + hi[sl] + 1)
+    ok = k_lo < k_hi
+    sl, tile, k_lo, k_hi = sl[ok], tile[ok], k_lo[ok], k_hi[ok]
+    nblk = _ceil_div(k_hi - k_lo, tile_n)
+    # group entries by tile (stable: keeps slice order inside a tile)
+    order = torch.argsort(tile, stable=True)
+    sl, tile, k_lo, nblk = sl[order], tile[order], k_lo[order], nblk[order]
+    e_ks, e_ke, e_lo, e_hi, e_qs, e_qe = ks[sl], ke[sl], lo[sl], hi[sl], qs[sl], qe[sl]
+    # fully covered blocks: all tile rows inside [qs, qe) and, for kb = k_lo + j * tile_n,
+    # ks <= kb, kb + tile_n <= ke, kb - (m0 + tile_m - 1) >= lo, kb + tile_n - 1 - m0 <= hi
+    e_m0 = tile * tile_m
+    rows_in = (e_qs <= e_m0) & (e_m0 + tile_m <= e_qe)
+    kb_min = torch.maximum(e_ks, e_lo + e_m0 + tile_m - 1)
+    kb_max = torch.minimum(e_ke - tile_n, e_hi + e_m0 - tile_n + 1)
+    jf_lo = _ceil_div(kb_min - k_lo, tile_n).clamp(0)
+    jf_lo = torch.minimum(jf_lo, nblk)
+    jf_hi = torch.div(kb_max - k_lo, tile_n, rounding_mode="floor") + 1
+    jf_hi = torch.minimum(torch.maximum(jf_hi, jf_lo), nblk)
+    jf_hi = torch.where(rows_in & (kb_max >= kb_min), jf_hi, jf_lo)
+    zero = torch.zeros_like(k_lo)
+    entries = torch.stack([k_lo, nblk, e_ks, e_ke, e_lo, e_hi, e_qs, e_qe, jf_lo, jf_hi, zero, zero], dim=1)
+    ent_cnt = torch.bincount(tile, minlength=num_tiles)
+    blk_cnt = torch.zeros(num_tiles, dtype=torch.int64).index_add_(0, tile, nblk)
+    e_end = torch.cumsum(ent_cnt, 0)
+    e_begin = e_end - ent_cnt
+    tiles = torch.arange(num_tiles, dtype=torch.int64)
+    work = torch.stack([tiles * tile_m, e_begin, e_end, blk_cnt], dim=1)
+    # longest processing time first (stable: equal-cost tiles keep q order)
+    lpt = torch.argsort(-blk_cnt, stable=True)
+    work = work[lpt]
+    if entries.shape[0] == 0:
+        entries = torch.zeros(1, ENTRY_COLS, dtype=torch.int64)
+    return (
+        work.to(torch.int32).contiguous(),
+        entries.to(torch.int32).contiguous(),
+        int(blk_cnt.sum()),
+    )
+
+
+_PLAN_CACHE: dict[tuple, FwdPlan] = {}
+_IDENT_CACHE: dict[tuple, tuple] = {}
+_PLAN_CACHE_MAX = 64
+
+
+def get_plan(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    total_q: int,
+    tile_m: int,
+    tile_n: int,
+    device: torch.device,
+) -> FwdPlan:
+    """Plan with two small caches.
+
+    1. Identity cache: the same range tensor objects (same storage, same in-place version
+       counter) give the cached plan with no device->host copy and no sync at all.
+    2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
+    """
+    tensors = (q_ranges, k_ranges, attn_type_map)
+    ident = (
+        *(None if t is None else (id(t), t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors),
+        int(total_q),
+        tile_m,
+        tile_n,
+        str(device),
+    )
+    hit = _IDENT_CACHE.get(ident)
+    if hit is not None:
+        refs, plan = hit
+        if all(
+            (r is None and t is None) or (r is not None and r() is t)
+            for r, t in zip(refs, (q_ranges, k_ranges, attn_type_map))
+        ):
+            return plan
+    plan = _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device)
+    refs = tuple(None if t is None else weakref.ref(t) for t in (q_ranges, k_ranges, attn_type_map))
+    if len(_IDENT_CACHE) >= _PLAN_CACHE_MAX:
+        _IDENT_CACHE.pop(next(iter(_IDENT_CACHE)))
+    _IDENT_CACHE[ident] = (refs, plan)
+    return plan
+
+
+def _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device) -> FwdPlan:
+    qr = q_ranges.detach().to("cpu", torch.int32).contiguous()
+    kr = k_ranges.detach().to("cpu", torch.int32).contiguous()
+    tm = None if attn_type_map is None else attn_type_map.detach().to("cpu", torch.int32).contiguous()
+    key = (
+        qr.numpy().tobytes(),
+        kr.numpy().tobytes(),
+        None if tm is None else tm.numpy().tobytes(),
+        int(total_q),
+        tile_m,
+        tile_n,
+        str(device),
+    )
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        return plan
+    work, entries, total_blocks = build_plan_cpu(qr, kr, tm, total_q, tile_m, tile_n)
+    plan = FwdPlan(
+        work=work.to(device, non_blocking=False),
+        entries=entries.to(device, non_blocking=False),
+        num_work=int(work.shape[0]),
+        num_entries=int(entries.shape[0]),
+        total_blocks=total_blocks,
+    )
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = plan
+    return plan

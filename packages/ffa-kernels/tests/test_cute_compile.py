@@ -1,0 +1,170 @@
+"""CPU-only tests of the sm90 CuTe DSL forward: the host plan (exactly), and compilation of
+every kernel variant for sm_90a with no GPU (skipped when nvidia-cutlass-dsl is missing)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from ffa_kernels.cute.config import default_config
+from ffa_kernels.cute.plan import build_plan_cpu
+
+
+def dense_mask(q_ranges, k_ranges, types, tq, tk):
+    m = torch.zeros(tq, tk, dtype=torch.int32)
+    for (qs, qe), (ks, ke), t in zip(q_ranges, k_ranges, types):
+        sq, sk = qe - qs, ke - ks
+        if sq <= 0 or sk <= 0:
+            continue
+        i = torch.arange(sq).unsqueeze(1)
+        j = torch.arange(sk).unsqueeze(0)
+        c = torch.ones(sq, sk, dtype=torch.bool)
+        if t in (1, 3):
+            c &= j <= i + (sk - sq)
+        if t in (2, 3):
+            c &= j >= i
+        m[qs:qe, ks:ke] += c.int()
+    return m
+
+
+def simulate_plan(work, entries, tq, tk, tile_m, tile_n):
+    """Replay the kernel's block loop and band masks; returns how often each cell is counted."""
+    cov = torch.zeros(tq, tk, dtype=torch.int32)
+    seen_tiles = set()
+    for m0, e0, e1, nb in work.tolist():
+        seen_tiles.add(m0)
+        total = 0
+        for e in range(e0, e1):
+            k_lo, nblk, ks, ke, lo, hi, qs, qe, jf_lo, jf_hi = entries[e].tolist()[:10]
+            assert 0 <= jf_lo <= jf_hi <= nblk
+            total += nblk
+            for j in range(nblk):
+                kb = k_lo + j * tile_n
+                rows = torch.arange(m0, m0 + tile_m).unsqueeze(1)
+                cols = torch.arange(kb, kb + tile_n).unsqueeze(0)
+                d = cols - rows
+                keep = (cols >= ks) & (cols < ke) & (rows >= qs) & (rows < qe) & (d >= lo) & (d <= hi)
+                keep &= (rows < tq) & (cols < tk) & (cols >= 0)
+                if jf_lo <= j < jf_hi:  # planned as unmasked: every cell must be covered
+                    assert bool(keep.all()), (m0, e, j)
+                r, c = torch.nonzero(keep, as_tuple=True)
+                cov[rows[r, 0], cols[0, c]] += 1
+        assert total == nb
+    assert seen_tiles == set(range(0, tq, tile_m)), "every q tile must be a work tile"
+    return cov
+
+
+def random_slices(rng, tq, tk, n):
+    qr, kr, ty = [], [], []
+    # disjoint cells: carve the (q, k) plane into a grid of non-overlapping rectangles
+    qcuts = sorted(rng.sample(range(1, tq), min(n, tq - 1)))
+    kcuts = sorted(rng.sample(range(1, tk), min(n, tk - 1)))
+    qb = [0, *qcuts, tq]
+    kb = [0, *kcuts, tk]
+    for a in range(len(qb) - 1):
+        for b in range(len(kb) - 1):
+            if rng.random() < 0.35:
+                qr.append([qb[a], qb[a + 1]])
+                kr.append([kb[b], kb[b + 1]])
+                ty.append(rng.randrange(4))
+    if not qr:
+        qr, kr, ty = [[0, tq]], [[0, tk]], [0]
+    return qr, kr, ty
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32)])
+def test_plan_covers_mask_exactly(seed, tiles):
+    tile_m, tile_n = tiles
+    rng = random.Random(seed)
+    tq, tk = rng.randrange(1, 700), rng.randrange(1, 700)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 6))
+    work, ent, total_blocks = build_plan_cpu(
+        torch.tensor(qr, dtype=torch.int32),
+        torch.tensor(kr, dtype=torch.int32),
+        torch.tensor(ty),
+        tq,
+        tile_m,
+        tile_n,
+    )
+    ref = dense_mask(qr, kr, ty, tq, tk)
+    cov = simulate_plan(work, ent, tq, tk, tile_m, tile_n)
+    assert torch.equal(cov, ref)
+    assert total_blocks == int(work[:, 3].sum())
+    # longest first
+    assert torch.all(work[:-1, 3] >= work[1:, 3])
+
+
+def test_plan_shared_q_rows_and_types():
+    # several slices sharing q rows, all four types, sq > sk and sq < sk
+    qr = [[0, 300], [0, 300], [300, 310], [310, 600], [310, 600]]
+    kr = [[0, 100], [100, 500], [0, 700], [0, 50], [60, 61]]
+    ty = [1, 2, 3, 1, 0]
+    tq, tk = 640, 700
+    work, ent, _ = build_plan_cpu(torch.tensor(qr), torch.tensor(kr), torch.tensor(ty), tq, 128, 128)
+    assert torch.equal(simulate_plan(work, ent, tq, tk, 128, 128), dense_mask(qr, kr, ty, tq, tk))
+
+
+def test_plan_full_blocks_are_found():
+    # causal 1024 in 128-tiles: all blocks but the 8 diagonal ones are unmasked
+    _, ent, _ = build_plan_cpu(
+        torch.tensor([[0, 1024]]), torch.tensor([[0, 1024]]), torch.tensor([1]), 1024, 128, 128
+    )
+    n_full = int((ent[:, 9] - ent[:, 8]).sum())
+    assert n_full == 36 - 8
+    # full 1000 x 1000: rows of the last tile are < 128, the last k block is partial
+    _, ent, _ = build_plan_cpu(
+        torch.tensor([[0, 1000]]), torch.tensor([[0, 1000]]), torch.tensor([0]), 1000, 128, 128
+    )
+    assert int((ent[:, 9] - ent[:, 8]).sum()) == 7 * 7
+
+
+def test_plan_empty_blocks_never_planned():
+    # causal 1024: block count is the lower triangle only (in 128x128 tiles: 8*9/2 = 36)
+    _, _, total = build_plan_cpu(
+        torch.tensor([[0, 1024]]), torch.tensor([[0, 1024]]), torch.tensor([1]), 1024, 128, 128
+    )
+    assert total == 36
+
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported: compile with no GPU
+
+
+def test_compile_every_variant(tmp_path, monkeypatch):
+    """Every compiled variant, for sm_90a, on a machine with no GPU; also exercises the disk cache."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import launch
+
+    times = {}
+    for d, dt, softcap in itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)):
+        cfg = default_config(d)
+        launch._COMPILED.pop(launch.compile_key(dt, cfg, softcap), None)
+        t0 = time.perf_counter()
+        fn = launch.get_kernel(dt, cfg, softcap, use_disk_cache=True)
+        times[(d, str(dt), softcap)] = time.perf_counter() - t0
+        assert fn is not None
+        # return_max_logits and sink are runtime flags: no extra variants
+    print("compile times (s):", {k: round(v, 2) for k, v in times.items()})
+    # the disk cache now holds every variant: a fresh process-level cache loads them back
+    objs = list(tmp_path.rglob("*.o"))
+    assert len(objs) == len(times)
+    launch._COMPILED.clear()
+    t0 = time.perf_counter()
+    for d, dt, softcap in itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)):
+        assert launch.get_kernel(dt, default_config(d), softcap, use_disk_cache=True) is not None
+    print(f"8 variants loaded from the disk cache in {time.perf_counter() - t0:.2f} s")
+
+
+def test_compile_key_has_no_shapes():
+    pytest.importorskip("cutlass")
+    from ffa_kernels.cute import launch
+
+    k1 = launch.compile_key(torch.bfloat16, default_config(128), False)
+    assert all(not isinstance(x, torch.Tensor) for x in k1)
+    assert k1 == launch.compile_key(torch.bfloat16, default_config(128), False)

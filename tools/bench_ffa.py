@@ -1,0 +1,354 @@
+"""Forward benchmark: FFA (CuTe DSL sm90) vs FlashAttention-4, cuDNN SDPA and FlexAttention.
+
+TFLOP/s are counted over the mask area: 4 * area * Hq * D per forward. Every library runs in this
+process on the same inputs. Usage (GPU machine):
+
+    python tools/bench_ffa.py [--cases full8k,causal8k,...] [--iters 20] [--no-flex] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+
+# ----------------------------------------------------------------------------- masks
+def area_of(q_ranges, k_ranges, types) -> int:
+    tot = 0
+    for (qs, qe), (ks, ke), t in zip(q_ranges, k_ranges, types):
+        sq, sk = qe - qs, ke - ks
+        if sq <= 0 or sk <= 0:
+            continue
+        i = torch.arange(sq, dtype=torch.int64)
+        hi = torch.full_like(i, sk - 1)
+        lo = torch.zeros_like(i)
+        if t in (1, 3):
+            hi = torch.minimum(hi, i + (sk - sq))
+        if t in (2, 3):
+            lo = torch.maximum(lo, i)
+        tot += int((hi - lo + 1).clamp_min(0).sum())
+    return tot
+
+
+def doc_lengths(total: int, n: int, seed: int, max_frac: float | None = None) -> list[int]:
+    rng = random.Random(seed)
+    if max_frac is None:
+        w = [rng.uniform(0.5, 1.5) for _ in range(n)]
+    else:  # long-tailed: a few long documents, many short ones, each <= max_frac * total
+        w = [rng.paretovariate(1.2) for _ in range(n)]
+    s = sum(w)
+    lens = [max(1, int(total * x / s)) for x in w]
+    if max_frac is not None:
+        cap = int(max_frac * total)
+        lens = [min(x, cap) for x in lens]
+    lens[-1] += total - sum(lens)
+    while lens[-1] <= 0 or (max_frac is not None and lens[-1] > int(max_frac * total)):
+        # rebalance into the shortest documents
+        extra = lens[-1] - (int(max_frac * total) if max_frac else 1)
+        lens[-1] -= extra
+        j = min(range(len(lens) - 1), key=lambda a: lens[a])
+        lens[j] += extra
+    assert sum(lens) == total
+    return lens
+
+
+def cu_from(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+class Case:
+    def __init__(self, name, total, hq, hk, d, q_ranges, k_ranges, types, *, fa4=None, sdpa=None, flex=None):
+        self.name, self.total, self.hq, self.hk, self.d = name, total, hq, hk, d
+        self.q_ranges, self.k_ranges, self.types = q_ranges, k_ranges, types
+        self.fa4, self.sdpa, self.flex = fa4, sdpa, flex  # descriptions of the peer calls
+        self.area = area_of(q_ranges, k_ranges, types)
+
+
+def make_cases(names):
+    cases = []
+    T8 = 8192
+    T32 = 32768
+    if "full8k" in names:
+        cases.append(Case("full 8k", T8, 16, 16, 128, [[0, T8]], [[0, T8]], [0],
+                          fa4=dict(causal=False), sdpa=dict(causal=False), flex=dict(kind="full")))  # fmt: skip
+    if "causal8k" in names:
+        cases.append(Case("causal 8k", T8, 16, 16, 128, [[0, T8]], [[0, T8]], [1],
+                          fa4=dict(causal=True), sdpa=dict(causal=True), flex=dict(kind="causal")))  # fmt: skip
+    if "full8k_d64" in names:
+        cases.append(Case("full 8k d64 32h", T8, 32, 32, 64, [[0, T8]], [[0, T8]], [0],
+                          fa4=dict(causal=False), sdpa=dict(causal=False), flex=dict(kind="full")))  # fmt: skip
+    if "causal8k_d64" in names:
+        cases.append(Case("causal 8k d64 32h", T8, 32, 32, 64, [[0, T8]], [[0, T8]], [1],
+                          fa4=dict(causal=True), sdpa=dict(causal=True), flex=dict(kind="causal")))  # fmt: skip
+    if "varlen_causal32k" in names:
+        lens = doc_lengths(T32, 12, 0)
+        cu = cu_from(lens)
+        qr = [[cu[i], cu[i + 1]] for i in range(12)]
+        cases.append(Case("varlen causal 32k/12", T32, 16, 16, 128, qr, qr, [1] * 12,
+                          fa4=dict(cu=cu, causal=True), flex=dict(kind="doc", cu=cu, causal=True)))  # fmt: skip
+    if "varlen_full32k" in names:
+        lens = doc_lengths(T32, 12, 1)
+        cu = cu_from(lens)
+        qr = [[cu[i], cu[i + 1]] for i in range(12)]
+        cases.append(Case("varlen full 32k/12", T32, 16, 16, 128, qr, qr, [0] * 12,
+                          fa4=dict(cu=cu, causal=False), flex=dict(kind="doc", cu=cu, causal=False)))  # fmt: skip
+    if "gqa_varlen_causal32k" in names:
+        lens = doc_lengths(T32, 24, 2, max_frac=0.25)
+        cu = cu_from(lens)
+        n = len(lens)
+        qr = [[cu[i], cu[i + 1]] for i in range(n)]
+        cases.append(Case("GQA 64:8 varlen causal 32k", T32, 64, 8, 128, qr, qr, [1] * n,
+                          fa4=dict(cu=cu, causal=True), flex=dict(kind="doc", cu=cu, causal=True)))  # fmt: skip
+    if "swa8k" in names:
+        w = 1024
+        cases.append(Case("sliding-window causal 8k w1024", T8, 16, 16, 128, [[0, w], [w, T8]], [[0, w], [0, T8]],
+                          [1, 3], fa4=dict(causal=True, window=(w, 0)), flex=dict(kind="swa", w=w)))  # fmt: skip
+    if "block_causal32k" in names:
+        lens = doc_lengths(T32, 12, 4)
+        cu = cu_from(lens)
+        blk = 2048
+        qr, kr = [], []
+        for i in range(12):
+            s, e = cu[i], cu[i + 1]
+            for b0 in range(s, e, blk):
+                b1 = min(b0 + blk, e)
+                qr.append([b0, b1])
+                kr.append([s, b1])
+        cases.append(Case("varlen block-causal 32k b2048", T32, 16, 16, 128, qr, kr, [0] * len(qr),
+                          flex=dict(kind="blockcausal", cu=cu, blk=blk)))  # fmt: skip
+    return cases
+
+
+# ----------------------------------------------------------------------------- timing
+def bench(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3  # seconds
+
+
+def host_us(fn, iters: int = 20) -> float:
+    """Host time per call (launch overhead), measured without synchronising."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / iters * 1e6
+
+
+def tflops(case: Case, sec: float) -> float:
+    return 4 * case.area * case.hq * case.d / sec / 1e12
+
+
+# ----------------------------------------------------------------------------- peers
+def run_ffa(case, q, k, v, qr, kr, ty, **kw):
+    from ffa_kernels.cute import cute_forward
+
+    def f():
+        return cute_forward(q, k, v, qr, kr, ty, softmax_scale=None, softcap=0.0, sink=None, sink_layout="sh",
+                            return_max_logits=kw.get("max_logits", False))  # fmt: skip
+
+    return f
+
+
+def run_fa4(case, q, k, v):
+    if case.fa4 is None:
+        return None
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    spec = case.fa4
+    if "cu" in spec:
+        cu = torch.tensor(spec["cu"], dtype=torch.int32, device="cuda")
+        mx = max(b - a for a, b in zip(spec["cu"][:-1], spec["cu"][1:]))
+
+        def f():
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx,
+                                          max_seqlen_k=mx, causal=spec["causal"])  # fmt: skip
+
+        return f
+    qb, kb, vb = (x.unsqueeze(0) for x in (q, k, v))
+    window = spec.get("window", (None, None))
+
+    def f():
+        return flash_attn_func(qb, kb, vb, causal=spec["causal"], window_size=window)
+
+    return f
+
+
+def run_sdpa_cudnn(case, q, k, v):
+    if case.sdpa is None:
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
+    if case.hk != case.hq:
+        return None
+
+    def f():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=case.sdpa["causal"])
+
+    return f
+
+
+_FLEX_COMPILED = None
+
+
+def run_flex(case, q, k, v):
+    global _FLEX_COMPILED
+    if case.flex is None:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    spec = case.flex
+    T = case.total
+    kind = spec["kind"]
+    if kind in ("doc", "blockcausal"):
+        doc = torch.zeros(T, dtype=torch.int32, device="cuda")
+        cu = spec["cu"]
+        for i in range(len(cu) - 1):
+            doc[cu[i] : cu[i + 1]] = i
+    if kind == "full":
+        mask_mod = None
+    elif kind == "causal":
+
+        def mask_mod(b, h, qi, ki):
+            return ki <= qi
+    elif kind == "doc":
+        causal = spec["causal"]
+
+        def mask_mod(b, h, qi, ki):
+            same = doc[qi] == doc[ki]
+            return (same & (ki <= qi)) if causal else same
+    elif kind == "swa":
+        w = spec["w"]
+
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki <= w)
+    elif kind == "blockcausal":
+        blk = spec["blk"]
+        start = torch.tensor(cu[:-1], dtype=torch.int32, device="cuda")[doc.long()]
+
+        def mask_mod(b, h, qi, ki):
+            same = doc[qi] == doc[ki]
+            return same & (((ki - start[ki]) // blk) <= ((qi - start[qi]) // blk))
+    else:
+        return None
+    bm = (
+        None if mask_mod is None else create_block_mask(mask_mod, 1, None, T, T, device="cuda", _compile=True)
+    )
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    gqa = case.hq != case.hk
+
+    def f():
+        return _FLEX_COMPILED(qh, kh, vh, block_mask=bm, enable_gqa=gqa)
+
+    return f
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--cases",
+        default="full8k,causal8k,varlen_causal32k,varlen_full32k,gqa_varlen_causal32k,swa8k,block_causal32k",
+    )
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--check", action="store_true", help="compare FFA to FA4 outputs where FA4 runs")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-logits", action="store_true", help="also time FFA with return_max_logits")
+    ap.add_argument(
+        "--groups", default="", help="also time FFA with FFA_HEAD_GROUP=each of these (e.g. 1,2,16)"
+    )
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}; torch {torch.__version__}; dtype {args.dtype}", flush=True)
+    rows = []
+    for case in make_cases(args.cases.split(",")):
+        torch.manual_seed(0)
+        q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype)
+        k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
+        v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
+        qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
+        kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
+        ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+        res = {}
+        t0 = time.perf_counter()
+        ffa = run_ffa(case, q, k, v, qr, kr, ty)
+        ffa()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        res["ffa"] = tflops(case, bench(ffa, args.iters))
+        res["ffa_host_us"] = host_us(ffa)
+        for gsz in [x for x in args.groups.split(",") if x]:
+            os.environ["FFA_HEAD_GROUP"] = gsz
+            res[f"ffa[g={gsz}]"] = tflops(case, bench(ffa, args.iters))
+            del os.environ["FFA_HEAD_GROUP"]
+        if args.max_logits:
+            res["ffa+maxlogits"] = tflops(
+                case, bench(run_ffa(case, q, k, v, qr, kr, ty, max_logits=True), args.iters)
+            )
+        peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
+        if not args.no_flex and not args.no_peers:
+            peers.append(("flex", run_flex))
+        for name, mk in peers:
+            try:
+                f = mk(case, q, k, v)
+                if f is None:
+                    res[name] = None
+                    continue
+                res[name] = tflops(case, bench(f, args.iters))
+                if name == "fa4":
+                    res["fa4_host_us"] = host_us(f)
+                if name == "fa4" and args.check:
+                    o_ref = f()
+                    o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
+                    o_ref = o_ref.reshape(case.total, case.hq, case.d)
+                    o_ffa = ffa()[0]
+                    res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
+            except Exception as exc:  # a peer failing must not stop the table
+                print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                res[name] = None
+        rows.append((case, res, first))
+        del q, k, v
+        torch.cuda.empty_cache()
+        fmt = lambda x: "   n/a" if x is None else f"{x:6.1f}"  # noqa: E731
+        ratio = res["ffa"] / res["fa4"] if res.get("fa4") else None
+        print(
+            f"{case.name:34s} area={case.area / 1e6:9.1f}M  ffa {fmt(res['ffa'])}  fa4 {fmt(res.get('fa4'))}  "
+            f"cudnn {fmt(res.get('cudnn'))}  flex {fmt(res.get('flex'))}  ffa/fa4 "
+            f"{'  n/a' if ratio is None else f'{ratio:5.2f}'}"
+            + (f"  ffa+ml {res['ffa+maxlogits']:6.1f}" if "ffa+maxlogits" in res else "")
+            + (f"  maxdiff {res['maxdiff_vs_fa4']:.2e}" if "maxdiff_vs_fa4" in res else "")
+            + "".join(f"  {k} {v:6.1f}" for k, v in res.items() if k.startswith("ffa[g="))
+            + f"  host us/call ffa {res['ffa_host_us']:.0f} fa4 {res.get('fa4_host_us', float('nan')):.0f}"
+            + f"  (first call {first:.1f}s)",
+            flush=True,
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
