@@ -12,7 +12,7 @@ rc=0
 step() { echo "== $*"; "$@" || rc=1; }
 if [[ $what == tests || $what == all ]]; then
   nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
-  step timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu packages/ffa-kernels packages/magi-comm packages/magi-dist 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  step timeout 420 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu packages/ffa-kernels packages/magi-comm packages/magi-dist 2>&1 | tee "$out/gpu_tests.log" | tail -15
   if (( ngpu >= 2 )); then
     step timeout 180 torchrun --standalone --nproc-per-node 2 examples/cp_train.py --steps 5 2>&1 | tee "$out/cp_train.log" | tail -8
   fi

@@ -9,7 +9,7 @@ Quick use (every rank of the group calls collectively)::
                            reduce_op="sum")       # finished work (async_op=False)
 
 Semantics are fixed by the workspace's API.md (magi_comm section). Environment variables:
-``MAGI_COMM_BACKEND`` (``a2av`` default, ``native`` planned) and ``MAGI_COMM_DEBUG=1`` (check
+``MAGI_COMM_BACKEND`` (``a2av`` default, or ``native``: NVSHMEM, one node) and ``MAGI_COMM_DEBUG=1`` (check
 across ranks that the split arguments of every call fit together).
 """
 

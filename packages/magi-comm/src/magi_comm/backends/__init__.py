@@ -3,11 +3,11 @@
 A backend moves the rows described by a validated plan and performs the post-processing. It is
 created per :class:`magi_comm.GroupCollective` by a factory ``factory(group, rank, world_size)``.
 
-Built in: ``"a2av"`` (torch.distributed all_to_all_single; gloo and NCCL). Planned:
-``"native"`` (NVSHMEM / peer-memory kernels), expected in the module
-``magi_comm.backends.native``, which registers itself with :func:`register_backend` on import.
-Selecting a lazily known backend whose module is missing raises
-:class:`BackendUnavailableError` with the reason.
+Built in: ``"a2av"`` (torch.distributed all_to_all_single; gloo and NCCL) and ``"native"``
+(NVSHMEM symmetric buffers + a Triton peer-store kernel, one node; module
+``magi_comm.backends.native``, which registers itself with :func:`register_backend` on import
+without importing nvshmem4py or triton). Selecting a backend that cannot run here (module
+missing, no CUDA, no nvshmem4py) raises :class:`BackendUnavailableError` with the reason.
 
 Selection order: the ``backend=`` argument, else the environment variable
 ``MAGI_COMM_BACKEND``, else ``"a2av"``.
@@ -124,8 +124,8 @@ def _factory(name: str) -> BackendFactory:
         importlib.import_module(module)
     except ImportError as e:
         hint = (
-            " The NVSHMEM backend is not part of this installation yet (it is planned, see "
-            "docs); use backend='a2av' (the default) or unset MAGI_COMM_BACKEND."
+            " The NVSHMEM backend is missing from this installation; use backend='a2av' "
+            "(the default) or unset MAGI_COMM_BACKEND."
             if name == "native"
             else ""
         )
