@@ -210,6 +210,9 @@ def _runtime() -> _Runtime:
     return _RT
 
 
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
 def cute_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,9 +230,14 @@ def cute_forward(
     head_group: int | None = None,
 ):
     """sm90 CuTe DSL forward. Returns (out (Tq,Hq,D) q.dtype, lse f32 (Tq,Hq), max_logits f32 (Hq,) | None)."""
-    rt = _runtime()
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
+    # Say "unsupported" before anything runs: the frontend then serves the call from the reference.
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+    rt = _runtime()
     if softmax_scale is None:
         softmax_scale = d**-0.5
     cfg = config or default_config(d)
