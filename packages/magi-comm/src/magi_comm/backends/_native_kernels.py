@@ -1,0 +1,251 @@
+"""Triton copy kernel of the ``native`` backend (imported lazily: needs triton).
+
+One kernel serves every data movement of the backend: a block of a :class:`BlockTable` loads
+``block_words`` words of one task from ``src`` ONCE and stores them to every destination of
+the task: the peers' receive regions (through their NVLink-mapped symmetric buffers, passed as
+up to 8 pointer arguments) and/or the local sink. Used for
+
+* the send step (``src`` = input, destinations = peer regions + the sink for rows sent to self);
+* the receive step (``src`` = the local symmetric buffer, destination = the sink).
+
+Words are 1, 2, 4 or 8 bytes (:func:`magi_comm.backends._native_layout.word_size`); ``VEC`` is
+a divisibility hint (in words) for 16-byte vector accesses when every offset allows it.
+
+A second kernel fuses group_reduce ``sum`` / ``avg`` for calls whose peer rows all fit the
+receive regions at once: it reads every term where it lies (own input rows, peer rows in the
+local regions) and accumulates in float32 (float64 for float64) in ascending source order,
+existing output first, exactly the additions of :func:`magi_comm._reduce.reduce_sum_avg`.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU tensors too (the unit tests do that when triton is
+installed).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._native_layout import BlockTable
+
+__all__ = ["MAX_PEERS", "launch_copy", "launch_reduce"]
+
+MAX_PEERS = 8
+_TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+
+
+@triton.jit
+def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, vals, mask, VEC: tl.constexpr):
+    off = tl.load(task_dst + t * (W + 1) + COL)
+    if off >= 0:
+        off = tl.multiple_of(off + start, VEC)
+        ptr = base.to(tl.pointer_type(vals.dtype))
+        tl.store(ptr + off + offs, vals, mask=mask)
+
+
+@triton.jit
+def _copy_kernel(
+    src,
+    sink,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
+    blk_task,
+    blk_start,
+    task_src,
+    task_len,
+    task_dst,
+    fence,
+    DT: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    FENCE: tl.constexpr,
+):
+    # src / sink / p0..p7 are addresses (int64): symmetric-heap and NVLink-mapped peer memory is
+    # addressed through plain integers, as in the verified peer-store recipe.
+    b = tl.program_id(0)
+    t = tl.load(blk_task + b).to(tl.int64)
+    start = tl.load(blk_start + b)
+    n = tl.load(task_len + t)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n - start
+    s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
+    vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
+    _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
+    if W > 0:
+        _put(p0, task_dst, t, W, 0, start, offs, vals, mask, VEC)
+    if W > 1:
+        _put(p1, task_dst, t, W, 1, start, offs, vals, mask, VEC)
+    if W > 2:
+        _put(p2, task_dst, t, W, 2, start, offs, vals, mask, VEC)
+    if W > 3:
+        _put(p3, task_dst, t, W, 3, start, offs, vals, mask, VEC)
+    if W > 4:
+        _put(p4, task_dst, t, W, 4, start, offs, vals, mask, VEC)
+    if W > 5:
+        _put(p5, task_dst, t, W, 5, start, offs, vals, mask, VEC)
+    if W > 6:
+        _put(p6, task_dst, t, W, 6, start, offs, vals, mask, VEC)
+    if W > 7:
+        _put(p7, task_dst, t, W, 7, start, offs, vals, mask, VEC)
+    if FENCE:
+        # Make this program's peer stores visible system-wide before the kernel can complete
+        # (and hence before the stream-ordered NVSHMEM ready signal): CTA barrier, then one
+        # release atomic at system scope (cumulative over the CTA's stores).
+        tl.debug_barrier()
+        tl.atomic_add(fence.to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+
+
+def launch_copy(
+    table: BlockTable,
+    src: int,
+    sink: int,
+    peers: list[int | None],
+    dtype: torch.dtype,
+    *,
+    vec: int = 1,
+    num_warps: int = 8,
+    fence: int = 0,
+) -> None:
+    """Run the copy kernel for every block of ``table`` on the current stream.
+
+    Args:
+        table: block table on the device (word offsets).
+        src: address of the words the tasks read (input, or the local symmetric buffer area).
+        sink: address of the local sink words (column ``W``).
+        peers: ``W`` addresses of peer ``c``'s region area (NVLink-mapped); None where no
+            task writes.
+        dtype: the word dtype (torch.int64 / int32 / int16 / uint8).
+        vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1.
+        fence: address of a local int32 counter; when given and a peer is written, every
+            program ends with a system-scope release on it (peer stores visible before the
+            kernel completes).
+    """
+    W = len(peers)
+    if W > MAX_PEERS:
+        raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
+    if table.num_blocks == 0:
+        return
+    # Never pass 0: every address argument keeps the same (64-bit) specialization.
+    filler = src
+    sink = sink or filler
+    ps = [p or filler for p in peers] + [filler] * (MAX_PEERS - W)
+    _copy_kernel[(table.num_blocks,)](
+        src,
+        sink,
+        *ps,
+        table.blk_task,
+        table.blk_start,
+        table.task_src,
+        table.task_len,
+        table.task_dst,
+        fence or filler,
+        DT=_TL[dtype],
+        W=W,
+        BLOCK=table.block_words,
+        VEC=vec,
+        FENCE=int(bool(fence) and any(p for p in peers)),
+        num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _reduce_kernel(
+    out,
+    inp,
+    region,
+    term_row,
+    term_self,
+    nterms,
+    n_rows,
+    E,
+    TERMS: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    ACC: tl.constexpr,
+    AVG: tl.constexpr,
+    ACC_DT: tl.constexpr,
+):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < n_rows
+    m = rmask[:, None] & (cols < E)[None, :]
+    rows64 = rows.to(tl.int64)
+    offs = rows64[:, None] * E + cols[None, :]
+    if ACC:
+        acc = tl.load(out + offs, mask=m, other=0).to(ACC_DT)
+    else:
+        acc = tl.zeros((BR, BC), dtype=ACC_DT)
+    nt = tl.load(nterms + rows64, mask=rmask, other=0)
+    for k in tl.static_range(TERMS):
+        tr = tl.load(term_row + rows64 * TERMS + k, mask=rmask, other=0)
+        ts = tl.load(term_self + rows64 * TERMS + k, mask=rmask, other=0) != 0
+        has = rmask & (nt > k)
+        toff = tr[:, None] * E + cols[None, :]
+        mk = m & has[:, None]
+        vs = tl.load(inp + toff, mask=mk & ts[:, None], other=0)
+        vr = tl.load(region.to(tl.pointer_type(out.dtype.element_ty)) + toff, mask=mk & ~ts[:, None], other=0)
+        v = tl.where(ts[:, None], vs, vr).to(ACC_DT)
+        acc = tl.where(has[:, None], acc + v, acc)
+    if AVG:
+        cnt = tl.maximum(nt + ACC, 1).to(ACC_DT)
+        if tl.float32 == ACC_DT:
+            acc = tl.math.div_rn(acc, cnt[:, None])
+        else:
+            acc = acc / cnt[:, None]
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+
+
+def launch_reduce(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    region: int,
+    term_row: torch.Tensor,
+    term_self: torch.Tensor,
+    nterms: torch.Tensor,
+    *,
+    acc_reduce: bool,
+    average: bool,
+) -> None:
+    """Fused deterministic sum / avg into ``out`` (current stream).
+
+    Args:
+        out: ``(N_out, E)`` contiguous, float16 / bfloat16 / float32 / float64; read when
+            ``acc_reduce``, overwritten.
+        inp: the rank's contiguous input viewed ``(N_in, E)``, same dtype (own terms).
+        region: address of the local receive regions (rows of ``E`` elements of ``out.dtype``,
+            peer terms).
+        term_row / term_self / nterms: from
+            :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
+    """
+    n_rows, E = out.shape[0], out.shape[1]
+    if n_rows == 0 or E == 0:
+        return
+    region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
+    bc = min(triton.next_power_of_2(E), 1024)
+    br = max(1, min(64, 4096 // bc))
+    acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
+    grid = (triton.cdiv(n_rows, br), triton.cdiv(E, bc))
+    _reduce_kernel[grid](
+        out,
+        inp,
+        region,
+        term_row,
+        term_self,
+        nterms,
+        n_rows,
+        E,
+        TERMS=term_row.shape[1],
+        BR=br,
+        BC=bc,
+        ACC=int(acc_reduce),
+        AVG=int(average),
+        ACC_DT=acc_dt,
+        num_warps=8,
+    )

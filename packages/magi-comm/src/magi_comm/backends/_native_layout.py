@@ -1,0 +1,414 @@
+"""Pure host-side layout of the ``native`` backend: receive regions, rounds, copy tasks, blocks.
+
+Nothing here touches CUDA, NVSHMEM or Triton; everything is a function of a cached plan
+(:mod:`magi_comm._plan`) and a few integers, so it is unit-tested on the CPU and computed once per
+(plan, row size) by the backend.
+
+Receive buffer layout (one symmetric buffer per rank, ``capacity`` bytes, the same on every rank)
+------------------------------------------------------------------------------------------------
+The buffer of rank ``d`` holds one *region* per peer ``s != d`` (``W - 1`` regions); the region of
+source ``s`` has index :func:`region_index` ``(s, d) = s - (s > d)``. A transfer only ever needs
+values that both ends know locally (the pairing rule of API.md makes the rows ``s`` sends ``d``,
+in ``s``'s input order, equal to the rows ``d`` expects from ``s``, in ``d``'s output order):
+
+* the sender ``s`` writes its ``q``-th row for ``d`` to region row ``q`` of region ``(s, d)``;
+* the receiver ``d`` reads its ``q``-th row from ``s`` there and stores it to its *sink* row
+  (the output row for group_cast, the concatenated receive row for group_reduce).
+
+No offsets are exchanged at run time. A region holds ``region_rows`` rows
+(:func:`region_rows`, from the capacity and the row size of the call); a pair that moves more
+rows than that is moved in several *rounds* (round ``k`` carries pair rows
+``[k * R, (k + 1) * R)``), with the signal / acknowledgement protocol of the backend between
+rounds, so a fixed buffer serves any call. Rows a rank sends to itself never touch the buffer:
+they are copied straight from the input into the sink in round 0.
+
+Fields: a call moves one or two *fields* with the same rows (data, and for ``reduce_op="lse"``
+the log-sum-exp). Field ``f`` occupies its own area of the buffer (:func:`field_offsets`); rows of
+every field use the same region row numbers.
+
+Copy tasks
+----------
+A :class:`TaskTable` lists maximal runs of rows that are contiguous in the source and in every
+destination at once: ``src_row[t] .. src_row[t] + nrows[t]`` goes to ``dst_row[t, c] ..`` for every
+column ``c`` with ``dst_row[t, c] >= 0`` (columns ``0..W-1``: the region rows in peer ``c``'s
+buffer; column ``W``: the local sink). One task reads its rows once and writes them to every
+destination (a true cast: no copy per destination). :func:`to_blocks` cuts tasks into fixed-size
+blocks of words for the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SINK_CONCAT",
+    "SINK_NONE",
+    "SINK_SCATTER",
+    "BlockTable",
+    "Round",
+    "Schedule",
+    "TaskTable",
+    "build_reduce_terms",
+    "build_schedule",
+    "bytes_needed",
+    "field_offsets",
+    "grown_capacity",
+    "region_index",
+    "region_rows",
+    "to_blocks",
+    "word_size",
+]
+
+SINK_SCATTER = "scatter"  # group_cast: row q from s -> output row scatter[recv_off[s] + q]
+SINK_CONCAT = "concat"  # group_reduce: row q from s -> receive row recv_off[s] + q (a2av layout)
+SINK_NONE = "none"  # fused group_reduce: rows stay in the regions (self rows in the input)
+
+_ALIGN = 16  # bytes; field areas and the capacity are multiples of this
+_UNBOUNDED = 1 << 62  # region_rows when there is no peer (world size 1)
+
+
+def region_index(src: int, dst: int) -> int:
+    """Index of source ``src``'s region in the buffer of ``dst`` (``src != dst``)."""
+    return src - (src > dst)
+
+
+def _align(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def region_rows(capacity: int, world_size: int, field_row_bytes: tuple[int, ...]) -> int:
+    """Rows per region for a call whose fields have rows of ``field_row_bytes`` bytes.
+
+    The largest ``R`` such that the ``W - 1`` regions of every field, each field area aligned
+    to 16 bytes, fit in ``capacity`` bytes. 0 means that not even one row fits (the backend
+    then grows the buffer; every rank sees the same row sizes, so they all decide alike).
+    ``1 << 62`` when there is no peer (world size 1) or the rows are empty.
+    """
+    peers = world_size - 1
+    per_row = sum(field_row_bytes)
+    if peers <= 0 or per_row == 0:
+        return _UNBOUNDED
+    # Each field area is padded by < 16 bytes; reserve 16 per field.
+    usable = capacity - _ALIGN * len(field_row_bytes)
+    return max(0, usable // (peers * per_row))
+
+
+def field_offsets(world_size: int, rows: int, field_row_bytes: tuple[int, ...]) -> tuple[int, ...]:
+    """Byte offset of each field's area in the buffer (16-byte aligned, fields in order)."""
+    peers = max(0, world_size - 1)
+    offs, pos = [], 0
+    for rb in field_row_bytes:
+        offs.append(pos)
+        pos = _align(pos + peers * rows * rb) if rows < _UNBOUNDED else pos
+    return tuple(offs)
+
+
+def bytes_needed(world_size: int, field_row_bytes: tuple[int, ...], rows: int = 1) -> int:
+    """Smallest capacity with ``region_rows(...) >= rows``."""
+    peers = world_size - 1
+    if peers <= 0:
+        return 0
+    return peers * rows * sum(field_row_bytes) + _ALIGN * len(field_row_bytes)
+
+
+def grown_capacity(current: int, needed: int, *, factor: float = 2.0) -> int:
+    """Growth policy: at least ``needed``, at least ``factor`` x ``current``, 1 MiB aligned."""
+    target = max(needed, int(current * factor), 1)
+    mib = 1 << 20
+    return (target + mib - 1) // mib * mib
+
+
+def word_size(row_bytes: int, *tensors: torch.Tensor) -> int:
+    """Widest copy word (8, 4, 2 or 1 bytes) dividing the row size and every tensor's address."""
+    for w in (8, 4, 2, 1):
+        if row_bytes % w:
+            continue
+        if all(t.data_ptr() % w == 0 and (t.storage_offset() * t.element_size()) % w == 0 for t in tensors):
+            return w
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# tasks
+
+
+@dataclass(frozen=True, eq=False)
+class TaskTable:
+    """Copy tasks in rows. ``dst_row`` has ``W + 1`` columns (peers 0..W-1, then the sink); -1 = none.
+
+    Shapes: ``src_row``/``nrows`` int64 ``(T,)``, ``dst_row`` int64 ``(T, W + 1)``.
+    """
+
+    src_row: torch.Tensor
+    nrows: torch.Tensor
+    dst_row: torch.Tensor
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self.src_row.numel())
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.nrows.sum()) if self.num_tasks else 0
+
+    @staticmethod
+    def empty(world_size: int) -> TaskTable:
+        z = torch.empty(0, dtype=torch.int64)
+        return TaskTable(z, z, torch.empty(0, world_size + 1, dtype=torch.int64))
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> TaskTable:
+    """Maximal runs of items that are consecutive in ``src`` and in every valid ``dst`` column.
+
+    ``src``: int64 ``(M,)`` source rows in item order; ``dst``: int64 ``(C, M)``, -1 = not sent.
+    A new run starts where the source jumps, the set of valid columns changes, or a valid
+    destination jumps.
+    """
+    m = int(src.numel())
+    if m == 0:
+        return TaskTable.empty(dst.shape[0] - 1)
+    valid = dst >= 0
+    cont = torch.zeros(m, dtype=torch.bool)
+    if m > 1:
+        same_cols = (valid[:, 1:] == valid[:, :-1]).all(0)
+        dst_step = (~valid[:, 1:] | (dst[:, 1:] == dst[:, :-1] + 1)).all(0)
+        cont[1:] = (src[1:] == src[:-1] + 1) & same_cols & dst_step
+    starts = torch.nonzero(~cont).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([m])])
+    return TaskTable(src[starts].clone(), ends - starts, dst[:, starts].t().contiguous())
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    """One round: the send tasks (input -> peer regions, and in round 0 self rows -> sink),
+    the peers that get a chunk from us (to signal), the peers we get a chunk from (to wait
+    for), and the receive tasks (own regions -> sink)."""
+
+    send: TaskTable
+    recv: TaskTable
+    send_peers: tuple[int, ...]
+    recv_peers: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """All rounds of one call of one rank, for ``region_rows`` rows per region."""
+
+    region_rows: int
+    rounds: tuple[Round, ...]
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+
+def _prefix(counts) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def build_schedule(plan, rows_per_region: int, sink: str) -> Schedule:
+    """Rounds and copy tasks of ``plan`` (a CastPlan or ReducePlan) on its rank.
+
+    Args:
+        plan: the cached plan; uses ``rank``, ``world_size``, ``send_counts``, ``recv_counts``,
+            ``gather_index`` and (for ``SINK_SCATTER``) ``scatter_index``.
+        rows_per_region: ``R`` from :func:`region_rows` (>= 1).
+        sink: ``SINK_SCATTER`` (rows land in ``output`` through the plan's scatter index),
+            ``SINK_CONCAT`` (rows land in a receive buffer laid out like the a2av backend's:
+            sources ascending, rows in order) or ``SINK_NONE`` (rows from peers stay in the
+            regions and rows to self are not moved: the fused reduction reads them in place;
+            no receive tasks).
+    """
+    if rows_per_region < 1:
+        raise ValueError(f"rows_per_region must be >= 1, got {rows_per_region}")
+    if sink not in (SINK_SCATTER, SINK_CONCAT, SINK_NONE):
+        raise ValueError(f"unknown sink {sink!r}")
+    W, r, R = plan.world_size, plan.rank, rows_per_region
+    send_counts, recv_counts = list(plan.send_counts), list(plan.recv_counts)
+    send_off, recv_off = _prefix(send_counts), _prefix(recv_counts)
+    n_in = plan.num_input_rows
+    gather = plan.gather_index
+    if gather is None:
+        gather = torch.arange(plan.num_send_rows, dtype=torch.int64)
+    scatter = getattr(plan, "scatter_index", None) if sink == SINK_SCATTER else None
+
+    def sink_rows(s: int, q: torch.Tensor) -> torch.Tensor:
+        rows = recv_off[s] + q
+        return rows if scatter is None else scatter[rows]
+
+    def rounds_of(n: int) -> int:
+        return -(-n // R)
+
+    k_max = max(
+        [rounds_of(send_counts[d]) for d in range(W) if d != r]
+        + [rounds_of(recv_counts[s]) for s in range(W) if s != r]
+        + [1 if send_counts[r] > 0 and sink != SINK_NONE else 0]
+    )
+    rounds = []
+    for k in range(k_max):
+        lo, hi = k * R, (k + 1) * R
+        dst = torch.full((W + 1, n_in), -1, dtype=torch.int64)
+        send_peers = []
+        for d in range(W):
+            cnt = send_counts[d]
+            stream = gather[send_off[d] : send_off[d] + cnt]
+            if d == r:
+                if k == 0 and cnt and sink != SINK_NONE:
+                    dst[W, stream] = sink_rows(r, torch.arange(cnt, dtype=torch.int64))
+                continue
+            if cnt <= lo:
+                continue
+            send_peers.append(d)
+            q = torch.arange(lo, min(hi, cnt), dtype=torch.int64)
+            dst[d, stream[q]] = region_index(r, d) * R + (q - lo)
+        items = torch.nonzero((dst >= 0).any(0)).flatten()
+        send = _runs(items, dst[:, items])
+
+        srcs, sinks, recv_peers = [], [], []
+        for s in range(W):
+            if s == r or recv_counts[s] <= lo:
+                continue
+            recv_peers.append(s)
+            q = torch.arange(lo, min(hi, recv_counts[s]), dtype=torch.int64)
+            srcs.append(region_index(s, r) * R + (q - lo))
+            sinks.append(sink_rows(s, q))
+        if srcs and sink != SINK_NONE:
+            src_rows = torch.cat(srcs)
+            rdst = torch.full((W + 1, src_rows.numel()), -1, dtype=torch.int64)
+            rdst[W] = torch.cat(sinks)
+            recv = _runs(src_rows, rdst)
+        else:
+            recv = TaskTable.empty(W)
+        rounds.append(Round(send, recv, tuple(send_peers), tuple(recv_peers)))
+    return Schedule(R, tuple(rounds))
+
+
+def build_reduce_terms(plan, rows_per_region: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per output row, its reduction terms in ascending source order (fused reduction).
+
+    Only valid when every pair fits one region (``build_schedule(plan, R, SINK_NONE)`` has at
+    most one round). Term ``k`` of output row ``j`` is the row ``term_row[j, k]`` of the input
+    (``term_self[j, k]``: the rank's own contribution, read where the input holds it) or of the
+    local receive regions (a peer's contribution, at region row ``region_index(s, r) * R + q``).
+
+    Returns ``term_row`` int64 ``(N_out, W)``, ``term_self`` int8 ``(N_out, W)``, ``nterms``
+    int64 ``(N_out,)``.
+    """
+    W, r, R = plan.world_size, plan.rank, rows_per_region
+    n_out = plan.num_output_rows
+    term_row = torch.full((n_out, max(W, 1)), -1, dtype=torch.int64)
+    term_self = torch.zeros((n_out, max(W, 1)), dtype=torch.int8)
+    nterms = torch.zeros(n_out, dtype=torch.int64)
+    recv_counts, send_counts = list(plan.recv_counts), list(plan.send_counts)
+    if any(recv_counts[s] > R for s in range(W) if s != r):
+        raise ValueError("build_reduce_terms: a pair does not fit one region; use the staged reduction")
+    recv_off = torch.tensor([*_prefix(recv_counts), sum(recv_counts)], dtype=torch.int64)
+    gather = plan.gather_index
+    if gather is None:
+        gather = torch.arange(plan.num_send_rows, dtype=torch.int64)
+    self_off = _prefix(send_counts)[r]
+    self_stream = gather[self_off : self_off + send_counts[r]]
+    for k, (out_rows, buf_rows) in enumerate(plan.slots):
+        src = torch.searchsorted(recv_off, buf_rows, right=True) - 1
+        q = buf_rows - recv_off[src]
+        is_self = src == r
+        peer_row = (src - (src > r).to(torch.int64)) * R + q
+        rows = torch.where(
+            is_self, self_stream[torch.where(is_self, q, 0)] if self_stream.numel() else 0, peer_row
+        )
+        term_row[out_rows, k] = rows
+        term_self[out_rows, k] = is_self.to(torch.int8)
+        nterms[out_rows] += 1
+    return term_row, term_self, nterms
+
+
+# --------------------------------------------------------------------------------------------
+# blocks
+
+
+@dataclass(frozen=True, eq=False)
+class BlockTable:
+    """A TaskTable in copy words, cut into blocks of ``block_words`` words.
+
+    ``blk_task`` int32 ``(B,)``, ``blk_start`` int64 ``(B,)`` (word offset inside the task),
+    ``task_src``/``task_len`` int64 ``(T,)`` (words), ``task_dst`` int64 ``(T, W + 1)`` (word
+    offsets, -1 = none).
+    """
+
+    blk_task: torch.Tensor
+    blk_start: torch.Tensor
+    task_src: torch.Tensor
+    task_len: torch.Tensor
+    task_dst: torch.Tensor
+    block_words: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blk_task.numel())
+
+    def to(self, device, mover=None) -> BlockTable:
+        """Copy to ``device``; ``mover(tensor, device)`` replaces ``tensor.to(device)`` if given."""
+
+        def mv(t):
+            return t.to(device) if mover is None else mover(t, device)
+
+        return BlockTable(
+            mv(self.blk_task),
+            mv(self.blk_start),
+            mv(self.task_src),
+            mv(self.task_len),
+            mv(self.task_dst),
+            self.block_words,
+        )
+
+
+def to_blocks(table: TaskTable, row_words: int, block_words: int) -> BlockTable:
+    """Convert a row TaskTable into word offsets and cut every task into blocks."""
+    if block_words < 1 or block_words & (block_words - 1):
+        raise ValueError(f"block_words must be a power of two, got {block_words}")
+    task_len = table.nrows * row_words
+    task_src = table.src_row * row_words
+    task_dst = torch.where(table.dst_row >= 0, table.dst_row * row_words, -1)
+    nblk = (task_len + block_words - 1) // block_words
+    total = int(nblk.sum()) if nblk.numel() else 0
+    blk_task = torch.repeat_interleave(torch.arange(nblk.numel(), dtype=torch.int64), nblk, output_size=total)
+    first = torch.cumsum(nblk, 0) - nblk
+    blk_start = (torch.arange(total, dtype=torch.int64) - first[blk_task]) * block_words
+    return BlockTable(
+        blk_task.to(torch.int32),
+        blk_start,
+        task_src,
+        task_len,
+        task_dst.contiguous(),
+        block_words,
+    )
+
+
+def apply_blocks(
+    table: BlockTable, src: torch.Tensor, sink: torch.Tensor, peers: list[torch.Tensor], world_size: int
+) -> None:
+    """Reference implementation of the copy kernel on flat word tensors (tests, CPU).
+
+    Block ``b`` copies ``src[task_src + start : ... + block_words]`` (clipped to the task) to
+    ``peers[c][task_dst[t, c] + start ...]`` for every valid peer column and to ``sink`` for
+    column ``W``.
+    """
+    bw = table.block_words
+    for b in range(table.num_blocks):
+        t = int(table.blk_task[b])
+        start = int(table.blk_start[b])
+        n = min(bw, int(table.task_len[t]) - start)
+        s0 = int(table.task_src[t]) + start
+        vals = src[s0 : s0 + n]
+        for c in range(world_size + 1):
+            off = int(table.task_dst[t, c])
+            if off < 0:
+                continue
+            target = sink if c == world_size else peers[c]
+            target[off + start : off + start + n] = vals

@@ -1,0 +1,690 @@
+"""The ``native`` backend: NVSHMEM symmetric buffers + a Triton true-cast copy kernel (one node).
+
+Importing this module only registers the backend; nvshmem4py, cuda.core and triton are imported
+when the first :class:`NativeBackend` is created (``pip install magi-comm[native]``).
+
+Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
+-------------------------------------------------------------------------
+* **Runtime.** One NVSHMEM runtime per process, bootstrapped from the torch.distributed group
+  with a unique id (rank 0 creates it, ``broadcast_object_list`` hands it out); NVSHMEM PE =
+  group rank. The first group that creates a native backend owns the runtime; other groups
+  are refused with :class:`BackendUnavailableError` (NVSHMEM allocations are collective over
+  all PEs, a sub- or other group could not allocate).
+* **Buffers.** Per group one shared state (refcounted by every NativeBackend of that group,
+  "one instance per process group"): a symmetric ``uint8`` receive buffer of
+  ``NativeConfig.buffer_bytes`` (``$MAGI_COMM_NATIVE_BUFFER_MB``), its NVLink peer views
+  (``nvshmem.core.get_peer_tensor``), a symmetric int64 signal array ``(2, W)`` and a dedicated
+  CUDA stream. Local receive scratch for group_reduce is a plain torch tensor that grows on
+  demand. Nothing is allocated per call.
+* **Send.** One launch of the copy kernel per round and field: every input row range is loaded
+  once and stored to each destination's receive region (peer stores over NVLink) and, for rows
+  a rank sends itself, straight into the sink. No copy per destination.
+* **Completion by signals.** Per ordered pair (s, d) both ends count transfers (a round that
+  moves rows s -> d) in the same order, without talking. After its send kernel, s sets
+  ``ready[s]`` on d to the transfer number (``nvshmemx_signal_op_on_stream``, SET); d waits
+  ``ready[s] >= n`` on its stream (``signal_wait_until_on_stream``), copies the region into
+  the sink, then sets ``ack[d]`` on s. Before writing transfer n into d's region, s waits for
+  ``ack[d] >= n - 1``. All of it is stream-ordered: no host synchronization, no barrier per
+  call. Every wait depends only on work of an earlier round (or call) of another rank, so the
+  protocol cannot deadlock.
+* **Capacity.** A pair that moves more rows than a region holds is moved in rounds through the
+  same buffer (logged once per layout). The buffer grows (collectively, with a log line) only
+  when a single row does not fit: row size and dtype are the same on every rank, so all
+  ranks take that decision at the same call. :meth:`NativeBackend.reserve` grows it
+  explicitly (collective).
+* **GroupReduce.** Transported like a cast into a receive scratch laid out like the a2av
+  backend's, then reduced by :mod:`magi_comm._reduce` (float32 accumulation, existing output
+  first, sources ascending): bitwise deterministic and bitwise equal to a2av.
+* **Internode seam.** :func:`_peer_path` decides per peer how rows get there. Today every peer
+  must be NVLink-mapped (``nvshmem_ptr`` != NULL); otherwise construction fails with a clear
+  message. An NVSHMEM put path would, for such a peer, stage the round's rows for it in a
+  local symmetric send area (the copy kernel with that area as the peer column) and issue
+  ``nvshmem.bindings.putmem_signal_nbi_on_stream(region, stage, nbytes, ready_slot, n,
+  SIGNAL_SET, pe, stream)`` per contiguous run instead of a separate ready signal; the
+  receive step and the ack signal stay as they are (signal ops work over any transport).
+
+Lifecycle: :meth:`NativeBackend.close` (collective) releases the group state; the last one frees
+the symmetric buffers collectively. Usable as a context manager. :func:`shutdown` finalizes the
+NVSHMEM runtime (optional, collective, before ``destroy_process_group``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._plan import CastPlan, ReducePlan
+from .._reduce import reduce_lse, reduce_sum_avg
+from ..work import GroupCollectiveWork
+from . import BackendUnavailableError, register_backend
+from ._native_layout import (
+    SINK_CONCAT,
+    SINK_NONE,
+    SINK_SCATTER,
+    build_reduce_terms,
+    build_schedule,
+    bytes_needed,
+    field_offsets,
+    grown_capacity,
+    region_rows,
+    to_blocks,
+    word_size,
+)
+
+__all__ = ["ENV_BUFFER_MB", "ENV_FUSED_REDUCE", "NativeBackend", "NativeConfig", "shutdown"]
+
+logger = logging.getLogger(__name__)
+
+ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
+ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
+_MIB = 1 << 20
+_MAX_PEERS = 8
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_READY, _ACK = 0, 1
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """Sizes of the native backend.
+
+    Attributes:
+        buffer_bytes: symmetric receive buffer per rank (bytes, same on all ranks). A call
+            whose pair moves more than ``buffer_bytes / (W - 1)`` bytes runs in rounds.
+        block_bytes: bytes copied by one kernel program (power of two, >= 16).
+        num_warps: warps per kernel program.
+        growth_factor: buffer growth factor when a single row does not fit.
+        fused_reduce: reduce ``sum`` / ``avg`` with the fused kernel straight from the
+            receive regions when every pair fits one region (``$MAGI_COMM_NATIVE_FUSED_REDUCE=0``
+            turns it off: rows then go through the receive scratch and the shared torch
+            reduction, like the staged path used for ``lse`` and for calls in rounds).
+    """
+
+    buffer_bytes: int = 256 * _MIB
+    block_bytes: int = 16384
+    num_warps: int = 8
+    growth_factor: float = 2.0
+    fused_reduce: bool = True
+
+    @staticmethod
+    def from_env() -> NativeConfig:
+        fused = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
+        mb = os.environ.get(ENV_BUFFER_MB)
+        if not mb:
+            return NativeConfig(fused_reduce=fused)
+        try:
+            n = int(float(mb) * _MIB)
+        except ValueError:
+            raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
+        if n <= 0:
+            raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
+        return NativeConfig(buffer_bytes=n, fused_reduce=fused)
+
+    def aligned_buffer_bytes(self) -> int:
+        return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
+
+
+def _unavailable(reason: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"magi_comm backend 'native' is unavailable: {reason}. It needs CUDA GPUs of one node and "
+        f"the [native] extra (nvshmem4py-cu13) and triton (part of CUDA builds of torch); use backend='a2av' (the default) or unset "
+        f"MAGI_COMM_BACKEND."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# NVSHMEM runtime (one per process)
+
+
+def _device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _load_kernels():
+    try:
+        from . import _native_kernels
+    except ImportError as e:
+        raise _unavailable(f"triton cannot be imported ({e})") from e
+    return _native_kernels
+
+
+class _RuntimeStore:
+    """Holds the process's runtime (a seam: the CPU tests swap in a per-thread store)."""
+
+    rt: _Runtime | None = None
+
+
+_runtime_store = _RuntimeStore()
+
+
+class _Runtime:
+    """The process's NVSHMEM runtime, bootstrapped once from a torch.distributed group."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, members: tuple[int, ...], rank: int, world: int, device: int, nvc, nvb) -> None:
+        self.members = members
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.nvc = nvc
+        self.nvb = nvb
+        self.states: dict[tuple[int, ...], _GroupState] = {}
+
+    @classmethod
+    def acquire(cls, group, rank: int, world: int, config: NativeConfig) -> _Runtime:
+        members = tuple(dist.get_process_group_ranks(group))
+        with cls._lock:
+            rt = getattr(_runtime_store, "rt", None)
+            if rt is not None:
+                if rt.members != members:
+                    raise _unavailable(
+                        f"this process's NVSHMEM runtime belongs to the group of global ranks "
+                        f"{list(rt.members)}; a native backend for the group {list(members)} would need "
+                        f"collective NVSHMEM allocations over other ranks (one runtime per process)"
+                    )
+                return rt
+            try:
+                import nvshmem.bindings as nvb
+                import nvshmem.core as nvc
+                from cuda.core import Device
+            except ImportError as e:
+                raise _unavailable(f"nvshmem4py / cuda.core cannot be imported ({e})") from e
+            device = torch.cuda.current_device()
+            # The symmetric heap must hold the buffer and its growth; NVSHMEM reads this at init.
+            os.environ.setdefault(
+                "NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 4 * config.aligned_buffer_bytes()))
+            )
+            dev = Device(device)
+            dev.set_current()
+            uid = nvc.get_unique_id(empty=rank != 0)
+            box = [uid if rank == 0 else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            nvc.init(device=dev, uid=box[0], rank=rank, nranks=world, initializer_method="uid")
+            if nvc.my_pe() != rank or nvc.n_pes() != world:
+                raise RuntimeError(
+                    f"magi_comm native: NVSHMEM PE {nvc.my_pe()}/{nvc.n_pes()} != group rank {rank}/{world}"
+                )
+            logger.info("magi_comm native: NVSHMEM %s initialized, PE %d/%d", nvc.get_version(), rank, world)
+            rt = cls(members, rank, world, device, nvc, nvb)
+            _runtime_store.rt = rt
+            return rt
+
+
+def shutdown() -> None:
+    """Finalize the NVSHMEM runtime (collective). All native backends must be closed first."""
+    with _Runtime._lock:
+        rt = getattr(_runtime_store, "rt", None)
+        if rt is None:
+            return
+        if rt.states:
+            raise RuntimeError(
+                "magi_comm native: shutdown() with native backends still open; close them first"
+            )
+        rt.nvc.finalize()
+        _runtime_store.rt = None
+
+
+def _peer_path(nvc, buf: torch.Tensor, rank: int, pe: int) -> torch.Tensor:
+    """How rows reach peer ``pe``: today an NVLink-mapped view of its buffer (the seam for puts)."""
+    if pe == rank:
+        return buf
+    try:
+        return nvc.get_peer_tensor(buf, pe)
+    except Exception as e:  # nvshmem_ptr returned NULL: the peer is not load/store reachable
+        raise _unavailable(
+            f"PE {pe} is not reachable by NVLink load/store from PE {rank} ({e}); the internode "
+            f"NVSHMEM put path is not implemented yet (see magi_comm.backends.native docstring)"
+        ) from e
+
+
+class _GroupState:
+    """Symmetric buffers, signals, stream and transfer counters shared by one group's backends."""
+
+    def __init__(self, rt: _Runtime, config: NativeConfig) -> None:
+        self.rt = rt
+        self.rank, self.world = rt.rank, rt.world
+        self.config = config
+        self.refcount = 0
+        self.device = _device(rt.device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.sent = [0] * self.world  # transfers this rank made to each peer
+        self.recvd = [0] * self.world  # transfers this rank consumed from each peer
+        self.scratch: dict[str, torch.Tensor] = {}
+        # target of the copy kernel's system-scope release (see _native_kernels)
+        self.fence = torch.zeros(16, dtype=torch.int32, device=self.device)
+        self.fence_addr = self.fence.data_ptr()
+        nvc = rt.nvc
+        self.sig = nvc.tensor((2 * self.world,), dtype=torch.int64)
+        self.sig.zero_()
+        self.capacity = 0
+        self.buf: torch.Tensor | None = None
+        self.peers: list[torch.Tensor] = []
+        self.peer_addr: list[int] = []
+        self._allocate(config.aligned_buffer_bytes())
+
+    # -- symmetric memory -------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        """Collective, host-blocking; only at setup, growth and teardown."""
+        torch.cuda.synchronize(self.device)
+        self.rt.nvb.barrier_all_on_stream(self.stream.cuda_stream)
+        self.stream.synchronize()
+
+    def _allocate(self, nbytes: int) -> None:
+        nvc = self.rt.nvc
+        self.buf = nvc.tensor((nbytes,), dtype=torch.uint8)
+        self.capacity = nbytes
+        self.peers = [_peer_path(nvc, self.buf, self.rank, pe) for pe in range(self.world)]
+        self.peer_addr = [t.data_ptr() for t in self.peers]
+        self._barrier()  # zeroed signals and the new buffer are visible everywhere before use
+
+    def _free_buffer(self) -> None:
+        self._barrier()  # every rank finished every transfer into every buffer
+        self.peers, self.peer_addr = [], []
+        buf, self.buf = self.buf, None
+        if buf is not None:
+            self.rt.nvc.free_tensor(buf)
+        self.capacity = 0
+
+    def grow(self, needed: int) -> None:
+        """Collective: replace the receive buffer by one of at least ``needed`` bytes."""
+        new = grown_capacity(self.capacity, needed, factor=self.config.growth_factor)
+        logger.warning(
+            "magi_comm native: growing the symmetric receive buffer from %.1f MiB to %.1f MiB "
+            "(needed %d bytes); set $%s to avoid this",
+            self.capacity / _MIB,
+            new / _MIB,
+            needed,
+            ENV_BUFFER_MB,
+        )
+        self._free_buffer()
+        self._allocate(new)
+
+    def close(self) -> None:
+        self._free_buffer()
+        sig, self.sig = self.sig, None
+        if sig is not None:
+            self.rt.nvc.free_tensor(sig)
+        self.scratch.clear()
+
+    # -- signals (stream-ordered on self.stream) --------------------------------------------
+
+    def _slot(self, kind: int, idx: int) -> int:
+        return self.sig.data_ptr() + 8 * (kind * self.world + idx)
+
+    def signal(self, kind: int, pe: int, value: int) -> None:
+        """Set slot ``(kind, self.rank)`` on ``pe`` to ``value`` once prior stream work is done."""
+        nvb, nvc = self.rt.nvb, self.rt.nvc
+        nvb.signal_op_on_stream(
+            self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
+        )
+
+    def wait(self, kind: int, idx: int, value: int) -> None:
+        """Block the stream until local slot ``(kind, idx)`` >= ``value``."""
+        nvb, nvc = self.rt.nvb, self.rt.nvc
+        nvb.signal_wait_until_on_stream(
+            self._slot(kind, idx), int(nvc.ComparisonType.CMP_GE), value, self.stream.cuda_stream
+        )
+
+    # -- local scratch -----------------------------------------------------------------------
+
+    def scratch_rows(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``(rows, *like.shape[1:])`` view of a reusable local buffer (call on self.stream)."""
+        row_shape = tuple(like.shape[1:])
+        nbytes = rows * _row_bytes(like)
+        buf = self.scratch.get(name)
+        if buf is None or buf.numel() < nbytes:
+            cap = grown_capacity(0 if buf is None else buf.numel(), max(nbytes, 1))
+            if buf is not None:
+                logger.info("magi_comm native: receive scratch %r grows to %.1f MiB", name, cap / _MIB)
+            buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
+            self.scratch[name] = buf
+        return buf[:nbytes].view(like.dtype).view(rows, *row_shape)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class _EventWork:
+    """A transport handle: waiting orders the caller's current stream after the event."""
+
+    __slots__ = ("device", "event")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event = event
+        self.device = device
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return True
+
+
+@dataclass
+class _Field:
+    """One tensor moved by a call: ``src`` rows (contiguous) land in ``sink`` rows (contiguous)."""
+
+    src: torch.Tensor
+    sink: torch.Tensor
+
+    @property
+    def row_bytes(self) -> int:
+        return _row_bytes(self.src)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host table -> device without blocking the host on the stream (pinned, non_blocking)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return torch.Size(t.shape[1:]).numel() * t.element_size()
+
+
+class NativeBackend:
+    """GroupCast / GroupReduce over NVSHMEM symmetric buffers on one node (see module docstring).
+
+    Args:
+        group, rank, world_size: the process group and this process's rank in it.
+        config: sizes; default :meth:`NativeConfig.from_env`.
+    """
+
+    name = "native"
+
+    def __init__(self, group, rank: int, world_size: int, config: NativeConfig | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise _unavailable("CUDA is not available in this process")
+        if world_size > _MAX_PEERS:
+            raise _unavailable(f"world size {world_size} > {_MAX_PEERS} (one NVLink node)")
+        self._kernels = _load_kernels()
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config or NativeConfig.from_env()
+        rt = _Runtime.acquire(group, rank, world_size, self.config)
+        with _Runtime._lock:
+            state = rt.states.get(rt.members)
+            if state is None:
+                state = _GroupState(rt, self.config)
+                rt.states[rt.members] = state
+            state.refcount += 1
+        self._rt = rt
+        self._state: _GroupState | None = state
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Collective: release this handle; the group's last handle frees the symmetric buffers."""
+        state, self._state = self._state, None
+        if state is None:
+            return
+        with _Runtime._lock:
+            state.refcount -= 1
+            last = state.refcount == 0
+            if last:
+                self._rt.states.pop(self._rt.members, None)
+        if last:
+            state.close()
+        self.group = None
+
+    def __enter__(self) -> NativeBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reserve(self, nbytes: int) -> None:
+        """Collective: make the symmetric receive buffer at least ``nbytes`` bytes."""
+        st = self._require()
+        if nbytes > st.capacity:
+            st.grow(nbytes)
+
+    @property
+    def capacity(self) -> int:
+        return self._require().capacity
+
+    def _require(self) -> _GroupState:
+        if self._state is None:
+            raise RuntimeError("magi_comm native backend is closed")
+        return self._state
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _check_device(self, *tensors) -> None:
+        dev = self._require().device
+        for t in tensors:
+            if t is not None and t.device != dev:
+                raise ValueError(f"magi_comm native backend: tensors must be on {dev}, got one on {t.device}")
+
+    def _schedule(self, plan, R: int, sink: str):
+        key = ("native-schedule", R, sink)
+        sched = plan._on_device.get(key)
+        if sched is None:
+            sched = build_schedule(plan, R, sink)
+            plan._on_device[key] = sched
+            if sched.num_rounds > 1:
+                logger.info(
+                    "magi_comm native: rank %d moves this layout in %d rounds of %d rows per peer; a "
+                    "larger $%s avoids the rounds",
+                    self.rank,
+                    sched.num_rounds,
+                    R,
+                    ENV_BUFFER_MB,
+                )
+        return sched
+
+    def _blocks(self, plan, sched, sink: str, row_bytes: int, w: int, device):
+        """Per round: (send BlockTable, recv BlockTable) on ``device`` for one field."""
+        block_words = max(1, self.config.block_bytes // w)
+        key = ("native-blocks", str(device), sched.region_rows, sink, row_bytes, w, block_words)
+        tables = plan._on_device.get(key)
+        if tables is None:
+            rw = row_bytes // w
+            tables = [
+                (
+                    to_blocks(r.send, rw, block_words).to(device, _to_device),
+                    to_blocks(r.recv, rw, block_words).to(device, _to_device),
+                )
+                for r in sched.rounds
+            ]
+            plan._on_device[key] = tables
+        return tables
+
+    def _rows_per_region(self, rbs: tuple[int, ...]) -> int:
+        """Rows per region for fields of ``rbs`` bytes per row; grows the buffer (collectively)
+        when not even one row fits. Row sizes are the same on every rank, so is the decision."""
+        st = self._require()
+        R = region_rows(st.capacity, self.world_size, rbs)
+        if R < 1:
+            st.grow(bytes_needed(self.world_size, rbs))
+            R = region_rows(st.capacity, self.world_size, rbs)
+        return R
+
+    def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None) -> None:
+        """Move every field's rows to their sinks (enqueued on the group stream).
+
+        ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
+        copies: it runs once every peer's rows are in the local regions (or at once when there
+        is no round), before the acknowledgements release the regions.
+        """
+        st = self._require()
+        W, rank = self.world_size, self.rank
+        fields = [f for f in fields if f.row_bytes > 0]
+        if not fields:
+            if consume is not None:
+                consume()
+            return
+        rbs = tuple(f.row_bytes for f in fields)
+        R = self._rows_per_region(rbs)
+        sched = self._schedule(plan, R, sink_kind)
+        if consume is not None and sched.num_rounds > 1:
+            raise AssertionError("fused consumption needs a single round")
+        offs = field_offsets(W, R, rbs)
+        base = st.buf.data_ptr()
+        prepared = []
+        for f, rb, off in zip(fields, rbs, offs):
+            w = word_size(rb, f.src, f.sink)
+            vec = 16 // w if rb % 16 == 0 else 1
+            peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
+            tables = self._blocks(plan, sched, sink_kind, rb, w, st.device)
+            prepared.append(
+                (f.src.data_ptr(), f.sink.data_ptr(), peers, base + off, _WORD_DTYPES[w], tables, vec)
+            )
+        nw = self.config.num_warps
+        launch = self._kernels.launch_copy
+        for k, rnd in enumerate(sched.rounds):
+            for d in rnd.send_peers:
+                if st.sent[d] > 0:
+                    st.wait(_ACK, d, st.sent[d])  # d consumed our previous transfer
+            for src, sink, peers, _local, dt, tables, vec in prepared:
+                launch(tables[k][0], src, sink, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr)
+            for d in rnd.send_peers:
+                st.sent[d] += 1
+                st.signal(_READY, d, st.sent[d])
+            for s in rnd.recv_peers:
+                st.wait(_READY, s, st.recvd[s] + 1)
+            if consume is not None:
+                consume()
+            else:
+                for _src, sink, _peers, local, dt, tables, vec in prepared:
+                    launch(tables[k][1], local, sink, [None] * W, dt, vec=vec, num_warps=nw)
+            for s in rnd.recv_peers:
+                st.recvd[s] += 1
+                st.signal(_ACK, s, st.recvd[s])
+        if consume is not None and not sched.rounds:
+            consume()
+
+    def _terms(self, plan, R: int, device):
+        key = ("native-terms", str(device), R)
+        terms = plan._on_device.get(key)
+        if terms is None:
+            terms = tuple(_to_device(t, device) for t in build_reduce_terms(plan, R))
+            plan._on_device[key] = terms
+        return terms
+
+    def _fused_reduce_ok(self, plan, input: torch.Tensor, reduce_op: str) -> int:
+        """Rows per region when the fused reduction applies to this call, else 0."""
+        if not self.config.fused_reduce or reduce_op == "lse":
+            return 0
+        rb = _row_bytes(input)
+        if rb == 0 or input.dim() < 1:
+            return 0
+        R = self._rows_per_region((rb,))
+        return R if self._schedule(plan, R, SINK_NONE).num_rounds <= 1 else 0
+
+    def _run(self, tensors, body, output, async_op: bool) -> GroupCollectiveWork:
+        st = self._require()
+        cur = torch.cuda.current_stream(st.device)
+        st.stream.wait_stream(cur)
+        with torch.cuda.stream(st.stream), torch.no_grad():
+            keep = body()
+        event = torch.cuda.Event()
+        event.record(st.stream)
+        for t in tensors:
+            if t is not None:
+                t.record_stream(st.stream)
+        handle = GroupCollectiveWork(output, [_EventWork(event, st.device)], None, keepalive=keep)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    # ---- collectives -----------------------------------------------------------------------
+
+    def group_cast(
+        self, input: torch.Tensor, output: torch.Tensor, plan: CastPlan, async_op: bool
+    ) -> GroupCollectiveWork:
+        """Cast ``input`` ``(N_in, *row)`` rows into ``output`` ``(N_out, *row)`` (any dtype)."""
+        self._check_device(input, output)
+
+        def body():
+            src = input.contiguous()
+            sink = (
+                output
+                if output.is_contiguous()
+                else torch.empty_like(output, memory_format=torch.contiguous_format)
+            )
+            self._transport(plan, SINK_SCATTER, [_Field(src, sink)])
+            if sink is not output:
+                output.copy_(sink)
+            return (src, sink)
+
+        return self._run((input, output), body, output, async_op)
+
+    def group_reduce(
+        self,
+        input: torch.Tensor,
+        output: torch.Tensor,
+        plan: ReducePlan,
+        async_op: bool,
+        reduce_op: str,
+        input_lse: torch.Tensor | None,
+        output_lse: torch.Tensor | None,
+        acc_reduce: bool,
+    ) -> GroupCollectiveWork:
+        """Reduce ``input`` ``(N_in, *row)`` rows into ``output`` ``(N_out, *row)`` (float dtypes);
+        for ``"lse"`` also ``input_lse`` ``(N_in, heads)`` into ``output_lse`` ``(N_out, heads)``."""
+        self._check_device(input, output, input_lse, output_lse)
+        st = self._require()
+
+        R = self._fused_reduce_ok(plan, input, reduce_op)
+
+        def fused():
+            # Terms are read where they lie: own rows in the input, peer rows in the regions.
+            src = input.contiguous()
+            out = output if output.is_contiguous() else output.contiguous()
+            E = torch.Size(out.shape[1:]).numel()
+            term_row, term_self, nterms = self._terms(plan, R, out.device)
+
+            def consume():
+                self._kernels.launch_reduce(
+                    out.view(out.shape[0], E),
+                    src.view(src.shape[0], E),
+                    st.buf.data_ptr(),
+                    term_row,
+                    term_self,
+                    nterms,
+                    acc_reduce=acc_reduce,
+                    average=reduce_op == "avg",
+                )
+
+            self._transport(plan, SINK_NONE, [_Field(src, src)], consume=consume)
+            if out is not output:
+                output.copy_(out)
+            return (src, out)
+
+        def staged():
+            # Rows land in a receive scratch laid out like a2av's; the shared torch reduction follows.
+            src = input.contiguous()
+            recv = st.scratch_rows("data", plan.num_recv_rows, output)
+            fields = [_Field(src, recv)]
+            src_lse = recv_lse = None
+            if reduce_op == "lse":
+                src_lse = input_lse.contiguous()
+                recv_lse = st.scratch_rows("lse", plan.num_recv_rows, input_lse)
+                fields.append(_Field(src_lse, recv_lse))
+            self._transport(plan, SINK_CONCAT, fields)
+            idx = plan.indices_on(output.device)
+            if reduce_op == "lse":
+                reduce_lse(output, output_lse, recv, recv_lse, idx.slots, acc_reduce=acc_reduce)
+            else:
+                reduce_sum_avg(
+                    output,
+                    recv,
+                    idx.slots,
+                    idx.sources_per_row,
+                    average=reduce_op == "avg",
+                    acc_reduce=acc_reduce,
+                )
+            return (src, src_lse)
+
+        body = fused if R else staged
+        return self._run((input, output, input_lse, output_lse), body, output, async_op)
+
+
+register_backend("native", NativeBackend)

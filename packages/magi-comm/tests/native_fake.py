@@ -1,0 +1,283 @@
+"""A fake single-process world for the native backend: ranks are threads, CPU tensors are "GPUs".
+
+Replaces, only inside a test (pytest ``monkeypatch``): the nvshmem4py modules (a symmetric heap
+of per-rank CPU tensors allocated collectively, signal set / wait that block with a timeout,
+barriers), ``cuda.core``, the CUDA stream / event API of torch (no-ops: every "kernel" runs
+synchronously on the host), torch.distributed's bootstrap calls, and the two Triton kernels
+(reference implementations working on raw addresses with ``ctypes.memmove``).
+
+What it checks: every host-side path of ``magi_comm.backends.native`` (runtime bootstrap,
+buffers and peer views, rounds, growth, signals and acknowledgements in the order the backend
+issues them, fused and staged reductions, close / shutdown) with real concurrency between ranks:
+a wait whose signal never comes raises after a timeout instead of passing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import sys
+import threading
+import types
+
+import native_sim
+import torch
+
+TIMEOUT = 30.0
+
+
+class FakeWorld:
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=TIMEOUT)
+        self.heaps: list[list[torch.Tensor | None]] = [[] for _ in range(world)]
+        self.cond = threading.Condition()
+        self.local = threading.local()
+        self.box = None
+        self.signals = 0
+        self.waits = 0
+
+    @property
+    def pe(self) -> int:
+        return self.local.pe
+
+    # -- heap ------------------------------------------------------------------------------
+
+    def _find(self, addr: int) -> tuple[int, int]:
+        for idx, t in enumerate(self.heaps[self.pe]):
+            if t is None:
+                continue
+            base = t.data_ptr()
+            if base <= addr < base + t.numel() * t.element_size():
+                return idx, addr - base
+        raise AssertionError(f"PE {self.pe}: address {addr:#x} is not in the symmetric heap")
+
+    def tensor(self, shape, dtype=torch.float32):
+        t = torch.zeros(shape, dtype=dtype)
+        self.heaps[self.pe].append(t)
+        self.barrier.wait()  # nvshmem_malloc is collective
+        return t
+
+    def get_peer_tensor(self, t, pe):
+        idx, off = self._find(t.data_ptr())
+        assert off == 0
+        return self.heaps[pe][idx]
+
+    def free_tensor(self, t):
+        idx, _ = self._find(t.data_ptr())
+        self.barrier.wait()
+        self.heaps[self.pe][idx] = None
+
+    # -- signals (NVSHMEM on-stream ops; here synchronous) -------------------------------------
+
+    def signal_op_on_stream(self, addr, value, op, pe, stream):
+        idx, off = self._find(addr)
+        assert off % 8 == 0 and op == SignalOp.SIGNAL_SET
+        with self.cond:
+            target = self.heaps[pe][idx].view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
+            assert int(target[0]) <= value, "signals must be monotonic"
+            target[0] = value
+            self.signals += 1
+            self.cond.notify_all()
+
+    def signal_wait_until_on_stream(self, addr, cmp, value, stream):
+        idx, off = self._find(addr)
+        assert cmp == ComparisonType.CMP_GE
+        slot = self.heaps[self.pe][idx].view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
+        with self.cond:
+            self.waits += 1
+            if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
+                raise TimeoutError(f"PE {self.pe}: signal wait for >= {value} timed out (deadlock)")
+
+    def barrier_all_on_stream(self, stream):
+        self.barrier.wait()
+
+    # -- bootstrap -------------------------------------------------------------------------
+
+    def broadcast_object_list(self, box, src=0, group=None):
+        self.barrier.wait()
+        if self.pe == src:
+            self.box = box[0]
+        self.barrier.wait()
+        box[0] = self.box
+
+
+class SignalOp(enum.IntEnum):
+    SIGNAL_SET = 0
+    SIGNAL_ADD = 5
+
+
+class ComparisonType(enum.IntEnum):
+    CMP_EQ = 0
+    CMP_GE = 5
+
+
+def modules(world: FakeWorld) -> dict[str, types.ModuleType]:
+    core = types.ModuleType("nvshmem.core")
+    core.get_unique_id = lambda empty=False: None if empty else "fake-uid"
+    core.init = lambda device=None, uid=None, rank=None, nranks=None, initializer_method="": None
+    core.my_pe = lambda: world.pe
+    core.n_pes = lambda: world.world
+    core.get_version = lambda: "fake"
+    core.tensor = world.tensor
+    core.get_peer_tensor = world.get_peer_tensor
+    core.free_tensor = world.free_tensor
+    core.finalize = lambda: world.barrier.wait()
+    core.SignalOp = SignalOp
+    core.ComparisonType = ComparisonType
+    bindings = types.ModuleType("nvshmem.bindings")
+    bindings.signal_op_on_stream = world.signal_op_on_stream
+    bindings.signal_wait_until_on_stream = world.signal_wait_until_on_stream
+    bindings.barrier_all_on_stream = world.barrier_all_on_stream
+    pkg = types.ModuleType("nvshmem")
+    pkg.core, pkg.bindings = core, bindings
+    cuda_core = types.ModuleType("cuda.core")
+
+    class Device:
+        def __init__(self, index=0):
+            self.device_id = index
+
+        def set_current(self):
+            pass
+
+    cuda_core.Device = Device
+    cuda = types.ModuleType("cuda")
+    cuda.core = cuda_core
+    return {
+        "nvshmem": pkg,
+        "nvshmem.core": core,
+        "nvshmem.bindings": bindings,
+        "cuda": cuda,
+        "cuda.core": cuda_core,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# kernels on raw addresses
+
+
+def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0):
+    w = torch.empty(0, dtype=dtype).element_size()
+    W = len(peers)
+    bw = table.block_words
+    for b in range(table.num_blocks):
+        t = int(table.blk_task[b])
+        start = int(table.blk_start[b])
+        n = min(bw, int(table.task_len[t]) - start)
+        s0 = int(table.task_src[t]) + start
+        for c in range(W + 1):
+            off = int(table.task_dst[t, c])
+            if off < 0:
+                continue
+            base = sink if c == W else peers[c]
+            assert base, f"block {b} writes column {c} without an address"
+            ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
+
+
+def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average):
+    E = out.shape[1]
+    peer = term_row[(term_self == 0) & (term_row >= 0)]
+    rows = int(peer.max()) + 1 if peer.numel() else 0
+    nbytes = rows * E * out.element_size()
+    if nbytes:
+        raw = (ctypes.c_char * nbytes).from_address(region)
+        reg = torch.frombuffer(raw, dtype=out.dtype).view(rows, E)
+    else:
+        reg = out[:0]
+    native_sim._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
+
+
+class _Stream:
+    cuda_stream = 0
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _PerThreadLock:
+    """The runtime lock is per process; the fake's processes are threads."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _lock(self):
+        if not hasattr(self._local, "lock"):
+            self._local.lock = threading.RLock()
+        return self._local.lock
+
+    def __enter__(self):
+        return self._lock().__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock().__exit__(*exc)
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+
+def install(monkeypatch, world: FakeWorld) -> None:
+    """Patch torch / nvshmem / the native module for the fake world (undone by monkeypatch)."""
+    from magi_comm.backends import native
+
+    for name, mod in modules(world).items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
+    monkeypatch.setattr(native, "_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(
+        native,
+        "_load_kernels",
+        lambda: types.SimpleNamespace(launch_copy=launch_copy, launch_reduce=launch_reduce),
+    )
+    monkeypatch.setattr(native, "_runtime_store", threading.local())
+    monkeypatch.setattr(native._Runtime, "_lock", _PerThreadLock())
+    fake_dist = types.SimpleNamespace(
+        get_process_group_ranks=lambda group: list(range(world.world)),
+        get_global_rank=lambda group, r: r,
+        broadcast_object_list=world.broadcast_object_list,
+    )
+    monkeypatch.setattr(native, "dist", fake_dist)
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")
+
+
+def run_ranks(world: FakeWorld, fn) -> None:
+    """Run ``fn(rank)`` on one thread per rank; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def body(rank):
+        world.local.pe = rank
+        try:
+            fn(rank)
+        except BaseException as e:
+            errors.append(e)
+            world.barrier.abort()
+            with world.cond:
+                world.cond.notify_all()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world.world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=4 * TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise first

@@ -1,0 +1,212 @@
+"""In-process simulation of the native backend's transport for all ranks at once (CPU).
+
+Builds every rank's schedule (rounds, copy tasks, blocks) exactly as the backend does, then
+plays the protocol in lock step: round k = every rank's send step, then every rank's receive
+step (the signals of the backend enforce exactly this order per pair). Buffers are flat word
+tensors standing in for the symmetric buffers. The copy is done either by the reference
+``apply_blocks`` or by the Triton kernel itself (``TRITON_INTERPRET=1`` on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import magi_comm_testlib as lib
+import torch
+
+from magi_comm._plan import build_cast_plan, build_reduce_plan
+from magi_comm.backends._native_layout import (
+    SINK_CONCAT,
+    SINK_NONE,
+    SINK_SCATTER,
+    apply_blocks,
+    build_reduce_terms,
+    build_schedule,
+    region_index,
+    to_blocks,
+)
+
+ROW_WORDS = 3
+
+
+def _copy(use_triton: bool):
+    if not use_triton:
+        return apply_blocks
+
+    from magi_comm.backends._native_kernels import launch_copy
+
+    fence = torch.zeros(4, dtype=torch.int32)
+
+    def run(table, src, sink, peers, world):
+        addr = [None if p is None else p.data_ptr() for p in peers]
+        launch_copy(
+            table,
+            src.data_ptr(),
+            sink.data_ptr(),
+            addr,
+            src.dtype,
+            vec=1,
+            num_warps=1,
+            fence=fence.data_ptr(),
+        )
+
+    return run
+
+
+def simulate(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False):
+    """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3)."""
+    W = lay.world
+    if kind == "cast":
+        plans = [build_cast_plan(*lay.cast_args(r), r, W) for r in range(W)]
+        sink_kind = SINK_SCATTER
+    else:
+        plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
+        sink_kind = SINK_CONCAT
+    scheds = [build_schedule(p, R, sink_kind) for p in plans]
+    copy = _copy(use_triton)
+    inputs = [
+        (torch.arange(p.num_input_rows * ROW_WORDS, dtype=torch.int64) + 1_000_000 * (r + 1))
+        for r, p in enumerate(plans)
+    ]
+    sink_rows = [p.num_output_rows if kind == "cast" else p.num_recv_rows for p in plans]
+    sinks = [torch.full((n * ROW_WORDS,), -1, dtype=torch.int64) for n in sink_rows]
+    region_words = R * ROW_WORDS
+    bufs = [torch.full((max(W - 1, 0) * region_words,), -7, dtype=torch.int64) for _ in range(W)]
+    k_max = max((s.num_rounds for s in scheds), default=0)
+    for k in range(k_max):
+        # pairing of the rounds: s sends d a chunk in round k <=> d expects one from s
+        for s in range(W):
+            for d in range(W):
+                sends = k < scheds[s].num_rounds and d in scheds[s].rounds[k].send_peers
+                recvs = k < scheds[d].num_rounds and s in scheds[d].rounds[k].recv_peers
+                assert sends == recvs, (k, s, d)
+        for r in range(W):
+            if k >= scheds[r].num_rounds:
+                continue
+            rnd = scheds[r].rounds[k]
+            _check_send_targets(rnd.send, r, W, R)
+            bt = to_blocks(rnd.send, ROW_WORDS, block_words)
+            copy(bt, inputs[r], sinks[r], [None if d == r else bufs[d] for d in range(W)], W)
+        for r in range(W):
+            if k >= scheds[r].num_rounds:
+                continue
+            bt = to_blocks(scheds[r].rounds[k].recv, ROW_WORDS, block_words)
+            copy(bt, bufs[r], sinks[r], [None] * W, W)
+            bufs[r].fill_(-7)  # the region is free again (ack); stale data must not be reused
+    return [s.view(-1, ROW_WORDS) for s in sinks], [x.view(-1, ROW_WORDS) for x in inputs], plans
+
+
+def _check_send_targets(table, r: int, W: int, R: int) -> None:
+    """Sends stay inside region (r, d) of every peer d and never target self's column."""
+    if table.num_tasks == 0:
+        return
+    for c in range(W):
+        col = table.dst_row[:, c]
+        sent = col >= 0
+        if c == r:
+            assert not sent.any()
+            continue
+        if sent.any():
+            base = region_index(r, c) * R
+            assert (col[sent] >= base).all()
+            assert (col[sent] + table.nrows[sent] <= base + R).all()
+
+
+def expected(lay: lib.Layout, kind: str, inputs, plans):
+    """Cast: the oracle output. Reduce: the a2av receive buffer (sources ascending)."""
+    W = lay.world
+    if kind == "cast":
+        return [lib.cast_oracle(lay, inputs, d, inputs[d]) for d in range(W)]
+    chunks = lib._simulated_a2a(plans, inputs)
+    return [torch.cat(chunks[d]) if chunks[d] else inputs[d][:0] for d in range(W)]
+
+
+def check_layout(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False) -> None:
+    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton)
+    exp = expected(lay, kind, inputs, plans)
+    for d in range(lay.world):
+        assert torch.equal(sinks[d], exp[d]), (kind, R, block_words, d, lay)
+
+
+def main_triton(n: int = 12) -> None:
+    """Entry point for the TRITON_INTERPRET=1 subprocess of the unit tests."""
+    rng = random.Random(7)
+    for _ in range(n):
+        world = rng.randint(1, 4)
+        lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
+        for kind in ("cast", "reduce"):
+            check_layout(
+                lay, kind, R=rng.choice([1, 2, 3, 50]), block_words=rng.choice([2, 4, 16]), use_triton=True
+            )
+    print("native_sim triton ok", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# fused reduction (single round: every peer row stays in the regions, own rows in the input)
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fused_reference(out, inp, region, term_row, term_self, nterms, acc_reduce, average):
+    adt = torch.float64 if out.dtype == torch.float64 else torch.float32
+    res = out.to(adt) if acc_reduce else torch.zeros(out.shape, dtype=adt)
+    for j in range(out.shape[0]):
+        for k in range(int(nterms[j])):
+            srcs = inp if term_self[j, k] else region
+            res[j] = res[j] + srcs[int(term_row[j, k])].to(adt)
+    if average:
+        cnt = (nterms + int(acc_reduce)).clamp_min(1).to(adt)
+        res = res / cnt[:, None]
+    out.copy_(res.to(out.dtype))
+
+
+def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3) -> None:
+    """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle."""
+    W = lay.world
+    plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
+    scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
+    assert all(s.num_rounds <= 1 for s in scheds)
+    case = {"seed": R * 7 + W, "row_shape": (E,)}
+    inputs = [lib.rank_data(case, r, p.num_input_rows, dtype) for r, p in enumerate(plans)]
+    olds = [lib.rank_data(case, r, p.num_output_rows, dtype, salt=1) for r, p in enumerate(plans)]
+    w = dtype.itemsize
+    regions = [torch.zeros((max(W - 1, 0) * R, E), dtype=dtype) for _ in range(W)]
+    for r in range(W):
+        if scheds[r].num_rounds:
+            rnd = scheds[r].rounds[0]
+            assert rnd.recv.num_tasks == 0 and not (rnd.send.dst_row[:, W] >= 0).any()
+            bt = to_blocks(rnd.send, E, 4)
+            peers = [None if d == r else regions[d].view(-1).view(_WORD[w]) for d in range(W)]
+            apply_blocks(bt, inputs[r].view(-1).view(_WORD[w]), torch.empty(0, dtype=_WORD[w]), peers, W)
+    for r in range(W):
+        term_row, term_self, nterms = build_reduce_terms(plans[r], R)
+        out = olds[r].clone()
+        if use_triton:
+            from magi_comm.backends._native_kernels import launch_reduce
+
+            launch_reduce(
+                out,
+                inputs[r],
+                regions[r].data_ptr(),
+                term_row,
+                term_self,
+                nterms,
+                acc_reduce=acc,
+                average=op == "avg",
+            )
+        else:
+            _fused_reference(out, inputs[r], regions[r], term_row, term_self, nterms, acc, op == "avg")
+        exp = lib.reduce_oracle_sum_avg(lay, inputs, r, olds[r], op, acc)
+        assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay)
+
+
+def main_triton_reduce(n: int = 16) -> None:
+    rng = random.Random(11)
+    for _ in range(n):
+        world = rng.randint(1, 4)
+        lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
+        # not bfloat16: the interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest even)
+        dtype = rng.choice([torch.float32, torch.float64, torch.float16])
+        check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True)
+    print("native_sim fused reduce triton ok", file=sys.stderr)

@@ -1,0 +1,204 @@
+"""CPU tests of the native backend's pure parts: regions, rounds, copy tasks, blocks, growth.
+
+The transport of all ranks is simulated in-process (``native_sim``) and compared with the
+oracle (cast) and with the a2av receive buffer (reduce, which the shared reduction then turns
+into bitwise identical results). When triton is installed the same simulation also runs the
+real copy kernel under ``TRITON_INTERPRET=1`` in a subprocess.
+"""
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import magi_comm_testlib as lib
+import native_sim
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from magi_comm._plan import build_cast_plan, build_reduce_plan
+from magi_comm.backends._native_layout import (
+    SINK_CONCAT,
+    SINK_SCATTER,
+    TaskTable,
+    _runs,
+    build_reduce_terms,
+    build_schedule,
+    bytes_needed,
+    field_offsets,
+    grown_capacity,
+    region_index,
+    region_rows,
+    to_blocks,
+    word_size,
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["cast", "reduce"]),
+    R=st.sampled_from([1, 2, 3, 7, 1000]),
+    block_words=st.sampled_from([1, 2, 4, 64]),
+)
+def test_simulated_transport_matches_oracle(world, seed, kind, R, block_words):
+    lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
+    native_sim.check_layout(lay, kind, R, block_words)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_special_layouts(world):
+    for lay in lib.special_layouts(world):
+        for kind in ("cast", "reduce"):
+            for R in (1, 2, 100):
+                native_sim.check_layout(lay, kind, R, block_words=2)
+
+
+def test_true_cast_reads_each_range_once():
+    # rank 0 sends one split of 4 rows to ranks 0, 1 and 2: a single task, three destinations
+    lay = lib._complete(random.Random(0), 3, [[4], [], []], [[[0, 1, 2]], [], []])
+    plan = build_cast_plan(*lay.cast_args(0), 0, 3)
+    sched = build_schedule(plan, 100, SINK_SCATTER)
+    assert sched.num_rounds == 1
+    send = sched.rounds[0].send
+    assert send.num_tasks == 1 and int(send.nrows[0]) == 4
+    assert (send.dst_row[0] >= 0).tolist() == [False, True, True, True]  # peers 1, 2 and the sink
+    assert sched.rounds[0].send_peers == (1, 2)
+
+
+def test_rounds_split_large_pairs():
+    lay = lib._complete(random.Random(0), 2, [[5], [3]], [[[1]], [[0]]])
+    plan = build_cast_plan(*lay.cast_args(0), 0, 2)
+    sched = build_schedule(plan, 2, SINK_SCATTER)
+    assert sched.num_rounds == 3  # 5 rows out in chunks of 2, 3 rows in
+    assert [r.send_peers for r in sched.rounds] == [(1,), (1,), (1,)]
+    assert [r.recv_peers for r in sched.rounds] == [(1,), (1,), ()]
+    assert [r.send.num_rows for r in sched.rounds] == [2, 2, 1]
+
+
+def test_runs_merge_and_break():
+    src = torch.tensor([0, 1, 2, 5, 6])
+    dst = torch.tensor([[10, 11, 12, 13, 14], [-1, -1, 3, 4, 5]])
+    t = _runs(src, dst)
+    # break at 2 (column 1 starts), at 5 (source jumps); 6 continues 5
+    assert t.src_row.tolist() == [0, 2, 5]
+    assert t.nrows.tolist() == [2, 1, 2]
+    assert t.dst_row.tolist() == [[10, -1], [12, 3], [13, 4]]
+
+
+def test_to_blocks():
+    t = TaskTable(torch.tensor([0, 4]), torch.tensor([3, 1]), torch.tensor([[5, -1], [-1, 0]]))
+    b = to_blocks(t, row_words=2, block_words=4)  # tasks of 6 and 2 words
+    assert b.blk_task.tolist() == [0, 0, 1]
+    assert b.blk_start.tolist() == [0, 4, 0]
+    assert b.task_src.tolist() == [0, 8]
+    assert b.task_len.tolist() == [6, 2]
+    assert b.task_dst.tolist() == [[10, -1], [-1, 0]]
+    with pytest.raises(ValueError, match="power of two"):
+        to_blocks(t, 2, 3)
+
+
+def test_region_geometry():
+    assert region_index(0, 1) == 0 and region_index(2, 1) == 1 and region_index(1, 2) == 1
+    # W = 3: two regions; rows of 100 + 8 bytes
+    cap = 1 << 20
+    R = region_rows(cap, 3, (100, 8))
+    offs = field_offsets(3, R, (100, 8))
+    assert offs[0] == 0 and offs[1] % 16 == 0 and offs[1] >= 2 * R * 100
+    assert offs[1] + 2 * R * 8 <= cap
+    assert region_rows(cap, 3, (100, 8)) == R
+    assert region_rows(cap, 1, (100,)) >= 1 << 60  # no peers: unbounded
+    assert region_rows(cap, 2, (0,)) >= 1 << 60  # empty rows
+    assert region_rows(100, 2, (200,)) == 0  # a row does not fit -> the backend grows
+    need = bytes_needed(2, (200,))
+    assert region_rows(need, 2, (200,)) == 1
+    assert region_rows(bytes_needed(4, (24, 8), rows=10), 4, (24, 8)) == 10
+
+
+def test_growth_policy():
+    mib = 1 << 20
+    assert grown_capacity(256 * mib, 300 * mib) == 512 * mib  # doubles
+    assert grown_capacity(256 * mib, 900 * mib + 5) == 901 * mib  # at least the need, MiB aligned
+    assert grown_capacity(0, 1) == mib
+
+
+def test_word_size():
+    x = torch.zeros(16, dtype=torch.uint8)
+    assert word_size(16, x) == 8
+    assert word_size(12, x) == 4
+    assert word_size(6, x) == 2
+    assert word_size(3, x) == 1
+    assert word_size(16, x[1:]) == 1  # misaligned view
+    assert word_size(16, x[4:]) == 4
+
+
+def test_schedule_rejects_bad_args():
+    plan = build_cast_plan([1], [1], [[0]], [0], 0, 1)
+    with pytest.raises(ValueError, match="rows_per_region"):
+        build_schedule(plan, 0, SINK_SCATTER)
+    with pytest.raises(ValueError, match="sink"):
+        build_schedule(plan, 1, "nowhere")
+    assert build_schedule(plan, 1, SINK_CONCAT).num_rounds == 1  # self only: one round, no peers
+
+
+def test_registering_native_imports_no_gpu_stack():
+    code = (
+        "import sys, magi_comm.backends.native\n"
+        "bad = [m for m in ('nvshmem', 'triton', 'cuda.core') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "from magi_comm.backends import available_backends\n"
+        "assert 'native' in available_backends()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_copy_kernel_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    subprocess.run(
+        [sys.executable, "-c", "import native_sim; native_sim.main_triton()"],
+        check=True,
+        env=env,
+        timeout=600,
+        cwd=str(HERE),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+    op=st.sampled_from(["sum", "avg"]),
+    acc=st.booleans(),
+)
+def test_fused_reduce_terms_match_oracle(world, seed, dtype, op, acc):
+    lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
+    native_sim.check_fused_reduce(lay, 40, dtype, op, acc)
+
+
+def test_fused_reduce_terms_refuse_rounds():
+    lay = lib._complete(random.Random(0), 2, [[5], [3]], [[[1]], [[0]]])
+    plan = build_reduce_plan(*lay.reduce_args(0), 0, 2)
+    with pytest.raises(ValueError, match="does not fit one region"):
+        build_reduce_terms(plan, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fused_reduce_kernel_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    subprocess.run(
+        [sys.executable, "-c", "import native_sim; native_sim.main_triton_reduce()"],
+        check=True,
+        env=env,
+        timeout=600,
+        cwd=str(HERE),
+    )

@@ -1,0 +1,211 @@
+"""GroupCast / GroupReduce bandwidth: native (NVSHMEM) vs a2av (NCCL all_to_all_single) vs raw peer copy.
+
+    source .dk/bin/env.sh && torchrun --standalone --nproc-per-node 2 tools/bench_comm.py [--sizes 1,16,64]
+
+Layout per rank (sizes in MiB = S): the input has S MiB of bf16 rows (8 heads x 128 = 2 KiB per
+row) in 8 splits; every split goes to every other rank, and the even splits also to the rank
+itself (a true cast: those splits have two destinations). Each rank's output interleaves the
+splits of all sources. group_reduce runs the transposed layout (the partial rows go back and
+are summed in float32 with the rank's existing output).
+
+GB/s counts useful bytes that cross GPUs: S x (W - 1) per rank per call (what each rank sends
+to the others; the self copies are free extras), divided by the time per call (slowest rank,
+CUDA events, after warm-up). The same bytes define the raw limits:
+
+* ``raw copy``: every rank at once ``copy_`` of S MiB into a peer's symmetric buffer view
+  (copy engine over NVLink, the physical limit ~380 GB/s per H200 with both pushing);
+* ``raw kernel``: the native copy kernel storing S MiB into a peer (SM stores over NVLink).
+
+Before timing, native and a2av outputs are compared bitwise. Prints one line per measurement
+and a final markdown table (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+ROW = (8, 128)
+ROW_BYTES = 8 * 128 * 2
+NSPLIT = 8
+
+
+def layout(rank: int, world: int, rows: int):
+    """group_cast arguments of the benchmark layout (see module docstring)."""
+    base = rows // NSPLIT
+    sizes = [base] * (NSPLIT - 1) + [rows - base * (NSPLIT - 1)]
+
+    def dsts(r, i):
+        d = [p for p in range(world) if p != r]
+        return [*d, r] if i % 2 == 0 else d
+
+    in_sizes = sizes
+    dst = [dsts(rank, i) for i in range(NSPLIT)]
+    out_sizes, src = [], []
+    for i in range(NSPLIT):
+        for k in range(world):
+            s = (rank + i + k) % world  # rotate the source order per split: interleaved output
+            if rank in dsts(s, i):
+                out_sizes.append(sizes[i])
+                src.append(s)
+    return in_sizes, out_sizes, dst, src
+
+
+def timed(fn, iters: int, warmup: int) -> float:
+    """Seconds per call: slowest rank, CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / 1e3 / iters], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def run_size(mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log) -> None:
+    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB."""
+    from magi_comm.backends._native_kernels import launch_copy
+    from magi_comm.backends._native_layout import TaskTable, to_blocks
+
+    rows = int(mib * (1 << 20)) // ROW_BYTES
+    cross = rows * ROW_BYTES * (world - 1)
+    iters = iters or (50 if mib <= 4 else 20)
+    ins, outs, dst, src = layout(rank, world, rows)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
+    out_n = torch.empty((sum(outs), *ROW), dtype=torch.bfloat16, device=dev)
+    out_a = torch.empty_like(out_n)
+
+    # correctness first (bitwise), then timing
+    nat.group_cast(x, out_n, ins, outs, dst, src).wait()
+    a2a.group_cast(x, out_a, ins, outs, dst, src).wait()
+    ok_cast = torch.equal(out_n.view(torch.int16), out_a.view(torch.int16))
+    part = torch.randn((sum(outs), *ROW), device=dev, generator=g).to(torch.bfloat16)
+    acc0 = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
+    red_n, red_a = acc0.clone(), acc0.clone()
+    nat.group_reduce(part, red_n, outs, ins, src, dst).wait()
+    a2a.group_reduce(part, red_a, outs, ins, src, dst).wait()
+    ok_red = torch.equal(red_n.view(torch.int16), red_a.view(torch.int16))
+    flags = torch.tensor([int(ok_cast), int(ok_red)], dtype=torch.int64, device=dev)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        print(
+            f"check {mib:.0f} MiB: cast native==a2av {bool(flags[0])}, reduce native==a2av {bool(flags[1])}"
+        )
+
+    def cast_n():
+        nat.group_cast(x, out_n, ins, outs, dst, src)
+
+    def cast_a():
+        a2a.group_cast(x, out_a, ins, outs, dst, src)
+
+    red = acc0.clone()
+
+    def reduce_n():
+        nat.group_reduce(part, red, outs, ins, src, dst)
+
+    def reduce_a():
+        a2a.group_reduce(part, red, outs, ins, src, dst)
+
+    log("cast", mib, "native", timed(cast_n, iters, 3), cross)
+    log("cast", mib, "a2av", timed(cast_a, iters, 3), cross)
+    log("reduce", mib, "native", timed(reduce_n, iters, 3), cross)
+    log("reduce", mib, "a2av", timed(reduce_a, iters, 3), cross)
+
+    # raw limits: every rank pushes S into the next rank's symmetric buffer (no native call
+    # is in flight: synchronized and fenced by barriers on both sides)
+    state = nat._backend._state
+    nbytes = rows * ROW_BYTES
+    torch.cuda.synchronize()
+    dist.barrier()
+    if world > 1 and nbytes <= state.capacity:
+        peer = (rank + 1) % world
+        dst_view = state.peers[peer][:nbytes]
+        src_bytes = x.view(-1).view(torch.uint8)[:nbytes]
+        peer_addr = [None] * world
+        peer_addr[peer] = state.peer_addr[peer]
+        dst_rows = torch.full((1, world + 1), -1, dtype=torch.int64)
+        dst_rows[0, peer] = 0
+        table = TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([nbytes // 8]), dst_rows)
+        bt = to_blocks(table, 1, nat._backend.config.block_bytes // 8).to(dev)
+
+        def raw_copy():
+            dst_view.copy_(src_bytes)
+
+        def raw_kernel():
+            launch_copy(bt, src_bytes.data_ptr(), 0, peer_addr, torch.int64, vec=2, fence=state.fence_addr)
+
+        log("raw", mib, "copy", timed(raw_copy, iters, 3), nbytes)
+        log("raw", mib, "kernel", timed(raw_kernel, iters, 3), nbytes)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1,16,64", help="MiB sent by each rank to the others")
+    ap.add_argument("--iters", type=int, default=0, help="0 = by size")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(int(os.environ.get("MAGI_COMM_BENCH_TIMEOUT", "240")), exit=True)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dev = torch.device("cuda", local_rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev, timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    from magi_comm import GroupCollective
+    from magi_comm.backends import native as native_mod
+
+    sizes = [float(s) for s in args.sizes.split(",")]
+    need = int(max(sizes) * (1 << 20) * 1.1)
+    os.environ.setdefault(native_mod.ENV_BUFFER_MB, str(max(256, need * 2 >> 20)))
+    nat = GroupCollective(None, "native")
+    a2a = GroupCollective(None, "a2av")
+    results = []
+
+    def log(op, mib, name, sec, cross):
+        gbs = cross / sec / 1e9
+        results.append((op, mib, name, gbs, sec))
+        if rank == 0:
+            print(f"{op:7s} {mib:6.0f} MiB {name:10s} {sec * 1e6:9.1f} us {gbs:8.1f} GB/s", flush=True)
+
+    for mib in sizes:
+        run_size(mib, nat, a2a, rank, world, dev, args.iters, log)
+
+    if rank == 0:
+        by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
+        print(f"\n## magi-comm GroupCast / GroupReduce, {world} x {torch.cuda.get_device_name()}")
+        print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer\n")
+        print("| op | MiB | native | a2av | native/a2av | raw copy | raw kernel | native/raw copy |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for op in ("cast", "reduce"):
+            for mib in sizes:
+                n, a = by.get((op, mib, "native")), by.get((op, mib, "a2av"))
+                rc, rk = by.get(("raw", mib, "copy")), by.get(("raw", mib, "kernel"))
+                f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+                ratio = "-" if not (n and a) else f"{n / a:.2f}x"
+                vs_raw = "-" if not (n and rc) else f"{100 * n / rc:.0f}%"
+                print(f"| {op} | {mib:.0f} | {f(n)} | {f(a)} | {ratio} | {f(rc)} | {f(rk)} | {vs_raw} |")
+    nat.close()
+    a2a.close()
+    native_mod.shutdown()
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
