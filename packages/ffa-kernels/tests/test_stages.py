@@ -264,3 +264,25 @@ def test_stage_accumulators_may_be_strided_views():
     ffa_backward_stage(dout, p.q, p.k, p.v, out_ref, lse_ref, *args, *views, softcap=1.0)
     for a, b in zip(views, ref):
         assert not a.is_contiguous() and torch.equal(a, b)
+
+
+def test_finite_merge_equals_guarded_merge():
+    from ffa_kernels._merge import merge_finite_lse_
+
+    g = torch.Generator().manual_seed(3)
+    t, h, d = 37, 3, 8
+    lse_a = torch.randn(t, h, generator=g, dtype=torch.float64)
+    lse_b = torch.randn(t, h, generator=g, dtype=torch.float64)
+    lse_a[:5] = float("-inf")  # acc empty
+    lse_b[3:9] = float("-inf")  # part empty (rows 3, 4: both)
+    out_a = torch.randn(t, h, d, generator=g, dtype=torch.float64)
+    out_b = torch.randn(t, h, d, generator=g, dtype=torch.float64)
+    out_a[:5] = 0.0
+    out_b[3:9] = 0.0
+    ref_o, ref_l = out_a.clone(), lse_a.clone()
+    merge_lse_(ref_o, ref_l, out_b, lse_b)
+    got_o, got_l = out_a.clone(), lse_a.clone()
+    merge_finite_lse_(got_o, got_l, out_b, lse_b)
+    torch.testing.assert_close(got_l, ref_l, rtol=0, atol=0)
+    torch.testing.assert_close(got_o, ref_o, rtol=1e-12, atol=1e-12)
+    assert torch.all(got_o[3:5] == 0) and torch.all(got_l[3:5] == float("-inf"))

@@ -208,3 +208,30 @@ def test_validation_copies_the_ranges_to_host_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", counting)
     _call()
     assert calls == [(2, 5)]
+
+
+def test_range_checks_are_cached_by_identity_and_version():
+    from ffa_kernels import _validate
+
+    q, k, v = (torch.randn(8, 2, 4) for _ in range(3))
+    qr = torch.tensor([[0, 8]], dtype=torch.int32)
+    kr = torch.tensor([[0, 8]], dtype=torch.int32)
+    calls = []
+    real = _validate._check_ranges_uncached
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    _validate._check_ranges_uncached = counting
+    try:
+        _validate._CHECKED_RANGES.clear()
+        for _ in range(3):
+            _validate.validate_attn_args(q, k, v, qr, kr, None, None, 0.0)
+        assert len(calls) == 1  # same tensors: checked once
+        kr[0, 1] = 9  # in-place write: out of bounds now, and must be re-checked
+        with pytest.raises(ValueError, match="k_ranges"):
+            _validate.validate_attn_args(q, k, v, qr, kr, None, None, 0.0)
+        assert len(calls) == 2
+    finally:
+        _validate._check_ranges_uncached = real

@@ -15,7 +15,7 @@ import torch
 from . import _backend
 from ._backward import reference_backward_stage
 from ._forward import reference_forward_stage
-from ._merge import merge_lse_
+from ._merge import merge_finite_lse_
 from ._sink import apply_sink, sink_backward
 from ._types import AttnForwardMeta
 from ._validate import (
@@ -65,8 +65,9 @@ def _forward_stage(
                 f"cute-unsupported-{exc}", "ffa_kernels: CuTe backend: %s; using the reference backend", exc
             )
         else:
-            # A finished (normalised) result for this key set: merge it like any partial result.
-            merge_lse_(out_acc, lse_acc, out, lse)
+            # A finished (normalised) result for this key set; the kernel writes every row (0 where
+            # nothing is covered), so the lean merge applies.
+            merge_finite_lse_(out_acc, lse_acc, out, lse)
             if max_logits_acc is not None:
                 torch.maximum(max_logits_acc, max_logits.to(max_logits_acc.dtype), out=max_logits_acc)
             return

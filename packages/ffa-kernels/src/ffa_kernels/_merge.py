@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_lse_"]
+__all__ = ["merge_finite_lse_", "merge_lse_"]
 
 _NEG_INF = float("-inf")
 
@@ -55,4 +55,19 @@ def merge_lse_(
     empty_part = (lse_part == _NEG_INF).unsqueeze(-1)
     merged = torch.where(empty_acc, 0.0, w_acc * out_acc) + torch.where(empty_part, 0.0, w_part * out_part)
     out_acc.copy_(merged)
+    lse_acc.copy_(lse_new)
+
+
+def merge_finite_lse_(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_part: torch.Tensor, lse_part: torch.Tensor
+) -> None:
+    """`merge_lse_` for partials whose ``out`` is finite everywhere (0 where ``lse = -inf``), as
+    the kernels and fresh accumulators guarantee: a weight of 0 then removes a side exactly, so the
+    NaN guards go and the update is two in-place passes over ``out_acc`` (this runs once per
+    stage on the GPU hot path)."""
+    lse_new = torch.logaddexp(lse_acc, lse_part.to(lse_acc.dtype))
+    ref = lse_new.masked_fill(lse_new == _NEG_INF, 0.0)
+    w_acc = torch.exp(lse_acc - ref).to(out_acc.dtype).unsqueeze(-1)
+    w_part = torch.exp(lse_part.to(lse_acc.dtype) - ref).to(out_acc.dtype).unsqueeze(-1)
+    out_acc.mul_(w_acc).addcmul_(out_part.to(out_acc.dtype), w_part)
     lse_acc.copy_(lse_new)

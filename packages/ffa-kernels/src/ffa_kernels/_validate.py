@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._identity_cache import IdentityCache
+
 __all__ = [
     "SUPPORTED_DTYPES",
     "ValidatedAttnArgs",
@@ -110,7 +112,25 @@ def _first_bad(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 
 
+# Range tensors already checked (same objects, unchanged): no device->host copy, no sync.
+_CHECKED_RANGES = IdentityCache(maxsize=256)
+
+
 def _check_ranges(
+    q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+    tensors = tuple(t if isinstance(t, torch.Tensor) else None for t in (q_ranges, k_ranges, attn_type_map))
+    extra = (tq, tk, str(device))
+    if tensors[0] is not None and tensors[1] is not None:
+        hit = _CHECKED_RANGES.get(tensors, extra)
+        if hit is not None:
+            return hit
+    result = _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
+    _CHECKED_RANGES.put(tensors, extra, result)
+    return result
+
+
+def _check_ranges_uncached(
     q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
     qr = _check_index_tensor("q_ranges", q_ranges, device)

@@ -24,10 +24,11 @@ kernel runs them without any masking; the others get the band mask.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
+
+from .._identity_cache import IdentityCache
 
 BIG = 1 << 30
 ENTRY_COLS = 12
@@ -130,8 +131,8 @@ def build_plan_cpu(
 
 
 _PLAN_CACHE: dict[tuple, FwdPlan] = {}
-_IDENT_CACHE: dict[tuple, tuple] = {}
 _PLAN_CACHE_MAX = 64
+_IDENT_CACHE = IdentityCache(maxsize=_PLAN_CACHE_MAX)
 
 
 def get_plan(
@@ -150,26 +151,11 @@ def get_plan(
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
     """
     tensors = (q_ranges, k_ranges, attn_type_map)
-    ident = (
-        *(None if t is None else (id(t), t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors),
-        int(total_q),
-        tile_m,
-        tile_n,
-        str(device),
-    )
-    hit = _IDENT_CACHE.get(ident)
-    if hit is not None:
-        refs, plan = hit
-        if all(
-            (r is None and t is None) or (r is not None and r() is t)
-            for r, t in zip(refs, (q_ranges, k_ranges, attn_type_map))
-        ):
-            return plan
-    plan = _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device)
-    refs = tuple(None if t is None else weakref.ref(t) for t in (q_ranges, k_ranges, attn_type_map))
-    if len(_IDENT_CACHE) >= _PLAN_CACHE_MAX:
-        _IDENT_CACHE.pop(next(iter(_IDENT_CACHE)))
-    _IDENT_CACHE[ident] = (refs, plan)
+    extra = (int(total_q), tile_m, tile_n, str(device))
+    plan = _IDENT_CACHE.get(tensors, extra)
+    if plan is None:
+        plan = _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device)
+        _IDENT_CACHE.put(tensors, extra, plan)
     return plan
 
 
