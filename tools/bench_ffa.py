@@ -273,6 +273,7 @@ def main(argv=None):
         default="full8k,causal8k,varlen_causal32k,varlen_full32k,gqa_varlen_causal32k,swa8k,block_causal32k",
     )
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median)")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--check", action="store_true", help="compare FFA to FA4 outputs where FA4 runs")
@@ -300,31 +301,25 @@ def main(argv=None):
         ffa()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        res["ffa"] = tflops(case, bench(ffa, args.iters))
         res["ffa_host_us"] = host_us(ffa)
+        fns = {"ffa": ffa}
         for gsz in [x for x in args.groups.split(",") if x]:
             os.environ["FFA_HEAD_GROUP"] = gsz
             res[f"ffa[g={gsz}]"] = tflops(case, bench(ffa, args.iters))
             del os.environ["FFA_HEAD_GROUP"]
         if args.max_logits:
-            # interleaved rounds so clock/thermal drift hits both variants alike; median overhead
-            ffa_ml = run_ffa(case, q, k, v, qr, kr, ty, max_logits=True)
-            ratios = []
-            for _ in range(5):
-                t_plain, t_ml = bench(ffa, args.iters), bench(ffa_ml, args.iters)
-                ratios.append(t_ml / t_plain - 1.0)
-            res["maxlogits_overhead"] = sorted(ratios)[len(ratios) // 2]
-            res["ffa+maxlogits"] = tflops(case, bench(ffa_ml, args.iters))
+            fns["ffa+maxlogits"] = run_ffa(case, q, k, v, qr, kr, ty, max_logits=True)
         peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
         if not args.no_flex and not args.no_peers:
             peers.append(("flex", run_flex))
         for name, mk in peers:
             try:
                 f = mk(case, q, k, v)
+                res[name] = None
                 if f is None:
-                    res[name] = None
                     continue
-                res[name] = tflops(case, bench(f, args.iters))
+                f()
+                fns[name] = f
                 if name == "fa4":
                     res["fa4_host_us"] = host_us(f)
                 if name == "fa4" and args.check:
@@ -336,6 +331,19 @@ def main(argv=None):
             except Exception as exc:  # a peer failing must not stop the table
                 print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 res[name] = None
+        # Rounds that time every library in turn: clock and thermal drift over the run hit all of
+        # them alike (timing one library after another favoured whichever ran first). Median.
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, f in fns.items():
+                times[name].append(bench(f, args.iters))
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        for name, ts in times.items():
+            res[name] = tflops(case, med(ts))
+        if "ffa+maxlogits" in times:
+            res["maxlogits_overhead"] = med(
+                [m / p - 1.0 for m, p in zip(times["ffa+maxlogits"], times["ffa"])]
+            )
         rows.append((case, res, first))
         del q, k, v
         torch.cuda.empty_cache()
