@@ -205,7 +205,7 @@ def test_uncovered_rows_and_empty():
 
 
 @requires_sm90
-@pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (6, 3)])
+@pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (6, 3), (64, 8), (8, 8)])
 def test_gqa(hq, hk):
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk)
@@ -226,6 +226,59 @@ def test_sink(layout):
     qr, kr, ty, t = varlen_slices([257, 400], 1)
     run_case(qr, kr, ty, t, t, sink_layout=layout)
     run_case([[100, 400]], [[0, 256]], [2], 512, 256, sink_layout=layout)
+
+
+def sliding_window_slices(t: int, w: int):
+    """Causal window of w keys before each query, built from the four types: the first w+1 rows
+    are CAUSAL, the rest one BICAUSAL band (k - q in [-w, 0])."""
+    head = min(t, w + 1)
+    qr, kr, ty = [[0, head]], [[0, head]], [1]
+    if t > head:
+        qr.append([head, t])
+        kr.append([1, t])
+        ty.append(3)
+    return qr, kr, ty
+
+
+def block_causal_slices(doc_lengths, block: int):
+    """Varlen block-causal: a query of block b of a document sees blocks 0..b of it (FULL)."""
+    qr, kr, pos = [], [], 0
+    for n in doc_lengths:
+        for s in range(pos, pos + n, block):
+            e = min(s + block, pos + n)
+            qr.append([s, e])
+            kr.append([pos, e])
+        pos += n
+    return qr, kr, [0] * len(qr), pos
+
+
+def segment_id_slices(ids):
+    """Document mask from segment ids (runs of one id may recur: all its runs see each other)."""
+    runs, start = {}, 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            runs.setdefault(ids[start], []).append([start, i])
+            start = i
+    qr, kr = [], []
+    for rs in runs.values():
+        for a in rs:
+            for b in rs:
+                qr.append(a)
+                kr.append(b)
+    return qr, kr, [0] * len(qr)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sliding_window_block_causal_and_segment_ids(dtype, d):
+    qr, kr, ty = sliding_window_slices(1500, 200)
+    run_case(qr, kr, ty, 1500, 1500, d=d, dtype=dtype)
+    qr, kr, ty, t = block_causal_slices([700, 129, 1000], 128)
+    run_case(qr, kr, ty, t, t, d=d, dtype=dtype)
+    ids = [1] * 300 + [2] * 250 + [1] * 200 + [3] * 77 + [2] * 100
+    qr, kr, ty = segment_id_slices(ids)
+    run_case(qr, kr, ty, len(ids), len(ids), d=d, dtype=dtype, hq=8, hk=2)
 
 
 @requires_sm90
