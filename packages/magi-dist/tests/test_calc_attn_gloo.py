@@ -48,3 +48,17 @@ def test_bad_inputs_name_the_argument():
     from magi_dist.testing import spawn_gloo_fn
 
     spawn_gloo_fn(2, "check_bad_inputs")
+
+
+@pytest.mark.slow
+def test_cp8_on_cpu():
+    """cp 8 (the scale-out size of the 8-GPU run), on 8 CPU gloo ranks."""
+    cu = [0, 300, 310, 700, 1024]
+    specs = [
+        ("varlen-causal", masks.varlen(cu, causal=True), {"degree": 2}),
+        ("block-causal", masks.block_causal(cu, 64), {"degree": None}),
+        ("varlen-full-gqa", masks.varlen(cu), {"degree": 1, "hq": 8, "hk": 2}),
+        ("random", random_mask(random.Random(8), 900, max_slices=12), {"degree": 0, "sink": "sh"}),
+    ]
+    cases = [Case.from_mask(n, m, chunk=32, min_chunk=16, seed=i, **kw) for i, (n, m, kw) in enumerate(specs)]
+    spawn_gloo(8, cases)
