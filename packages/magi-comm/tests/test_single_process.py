@@ -250,6 +250,7 @@ def test_async_work_runs_post_processing_on_wait():
     # reduction happens in wait(): the output is untouched before it
     out = torch.ones(4, 3)
     w = group_reduce(inp, out, [4], [4], [0], [[0]], async_op=True)
+    assert torch.equal(out, torch.ones(4, 3))
     w.wait()
     assert torch.equal(out, inp + 1)
 
@@ -300,3 +301,11 @@ def test_debug_mode_passes_on_consistent_plans(monkeypatch):
         lay = lib.random_layout(rng, 1)
         case = {"layout": lay, "seed": 1, "async": False, "debug": True, "via_object": False}
         lib.run_case(dict(case, kind="cast", dtype="float32", row_shape=(2,)), 0, 1)
+
+
+def test_flags_must_be_bools():
+    inp, out = x(4, 3), torch.zeros(4, 3)
+    with pytest.raises(TypeError, match="acc_reduce: expected a bool"):
+        group_reduce(inp, out, [4], [4], [0], [[0]], acc_reduce="no")
+    with pytest.raises(TypeError, match="async_op: expected a bool"):
+        group_cast(inp, out, [4], [4], [[0]], [0], async_op=1)

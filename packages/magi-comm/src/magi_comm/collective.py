@@ -46,6 +46,13 @@ def _freeze2(x) -> tuple:
     return tuple(_freeze(r) for r in x)
 
 
+def _flag(name: str, value) -> bool:
+    """A real bool (``acc_reduce="no"`` must not silently mean True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def _check_tensor_pair(op: str, input, output) -> None:
     for name, t in (("input", input), ("output", output)):
         if not isinstance(t, torch.Tensor):
@@ -190,10 +197,11 @@ class GroupCollective:
         except TypeError:
             # Malformed arguments: let the builder name the culprit.
             return builder(in_sizes, out_sizes, dst, src, self.rank, self.world_size, *rows)
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
+        with self._lock:  # lookup and LRU touch race with eviction otherwise
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
         plan = builder(*args, self.rank, self.world_size, *rows)
         with self._lock:
             self._plans[key] = plan
@@ -255,7 +263,7 @@ class GroupCollective:
         _check_rows(op, plan, input, output)
         if debug_enabled():
             check_plans_agree(op, plan, tuple(input.shape[1:]), input.dtype, self.group, input.device)
-        return backend.group_cast(input, output, plan, bool(async_op))
+        return backend.group_cast(input, output, plan, _flag("async_op", async_op))
 
     def group_reduce(
         self,
@@ -284,7 +292,14 @@ class GroupCollective:
                 op, plan, tuple(input.shape[1:]), input.dtype, self.group, input.device, reduce_op=reduce_op
             )
         return backend.group_reduce(
-            input, output, plan, bool(async_op), reduce_op, input_lse, output_lse, bool(acc_reduce)
+            input,
+            output,
+            plan,
+            _flag("async_op", async_op),
+            reduce_op,
+            input_lse,
+            output_lse,
+            _flag("acc_reduce", acc_reduce),
         )
 
 
@@ -385,7 +400,9 @@ def group_reduce(
         dst_index: ``n_in`` group ranks; input split ``i`` goes to rank ``dst_index[i]``.
         src_indices: ``n_out`` lists of distinct group ranks; output split ``j`` is reduced from
             the splits sent by every rank in ``src_indices[j]`` (pairing as in group_cast).
-        group, async_op, backend: as in :func:`group_cast`.
+        group, async_op, backend: as in :func:`group_cast`. With ``async_op`` the reduction
+            runs in ``wait()``, so with ``acc_reduce`` the output's content at ``wait()`` time
+            (not at the call) takes part: do not write it in between.
         reduce_op:
             ``"sum"``: ``out = [out_old +] sum of contributions``.
             ``"avg"``: that sum divided by the number of terms, i.e. ``len(src_indices[j])``,
