@@ -23,8 +23,10 @@ _DSINK_OPS = ("none", "sum", "avg")
 
 
 def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int):
-    """Begin receiving stage ``stage``'s remote K/V rows; returns ``(work, buffer)``."""
-    a = rt.cast_args[stage]
+    """Begin receiving stage ``stage``'s remote K/V; ``kv`` is ``[K; V]`` stacked along rows
+    ``(2*T, Hk, D)``, and so is the returned buffer ``(2*R, Hk, D)``: both halves stay contiguous,
+    so no stage copies K or V apart. Returns ``(work, buffer)``."""
+    a = rt.kv_cast_args(stage)
     buf = kv.new_empty((a.num_recv_tokens, *kv.shape[1:]))
     work = group_cast(
         kv,
@@ -40,8 +42,8 @@ def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int):
 
 
 def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor, stage: int):
-    """Begin summing stage ``stage``'s partial dK/dV rows into their owners' ``out`` (float32)."""
-    a = rt.cast_args[stage].to_group_reduce()
+    """Begin summing stage ``stage``'s partial ``[dK; dV]`` rows into their owners' ``out``."""
+    a = rt.kv_cast_args(stage).to_group_reduce()
     return group_reduce(
         partial,
         out,
@@ -56,14 +58,14 @@ def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor,
     )
 
 
-def _split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv[..., :d], kv[..., d:]
+def _halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = kv.shape[0] // 2
+    return kv[:n], kv[n:]
 
 
-def _fwd_stage(q, kv, st: StageTensors, out, lse, ml, scale, softcap) -> None:
+def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
     if st.empty:
         return
-    k, v = _split_kv(kv, q.shape[-1])
     ffa_forward_stage(
         q,
         k,
@@ -79,10 +81,9 @@ def _fwd_stage(q, kv, st: StageTensors, out, lse, ml, scale, softcap) -> None:
     )
 
 
-def _bwd_stage(dout, q, kv, out, lse, st: StageTensors, dq, dk, dv, scale, softcap) -> None:
+def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap) -> None:
     if st.empty:
         return
-    k, v = _split_kv(kv, q.shape[-1])
     ffa_backward_stage(
         dout,
         q,
@@ -113,21 +114,22 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     out = torch.zeros((tq, hq, d), dtype=acc, device=dev)
     lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=dev)
     ml = torch.full((hq,), float("-inf"), dtype=acc, device=dev) if want_max else None
-    kv = torch.cat([k, v], dim=-1)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
+    kv = torch.cat([k, v]) if n else None
     pending = _start_cast(rt, kv, 0) if n else None
     if rt.me.calc.kv_concat:
         work, buf = pending
         work.wait()
-        _fwd_stage(q, torch.cat([kv, buf]), remote[0], out, lse, ml, scale, softcap)
+        kb, vb = _halves(buf)
+        _fwd_stage(q, torch.cat([k, kb]), torch.cat([v, vb]), remote[0], out, lse, ml, scale, softcap)
     else:
-        _fwd_stage(q, kv, rt.host_tensors(dev), out, lse, ml, scale, softcap)
+        _fwd_stage(q, k, v, rt.host_tensors(dev), out, lse, ml, scale, softcap)
         for t in range(n):
             work, buf = pending
             work.wait()
             pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-            _fwd_stage(q, buf, remote[t], out, lse, ml, scale, softcap)
+            _fwd_stage(q, *_halves(buf), remote[t], out, lse, ml, scale, softcap)
     apply_sink(out, lse, sink, sink_layout)
     if ml is not None:
         red = ml.to(rt.comm_device())
@@ -143,37 +145,49 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
     dq = torch.zeros(q.shape, dtype=f32, device=dev)
     dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
     dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
-    kv = torch.cat([k, v], dim=-1)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
-    dkv_remote = torch.zeros((tk, hk, 2 * d), dtype=f32, device=dev)  # owners' sums of remote partials
+    kv = torch.cat([k, v]) if n else None
+    dkv_remote = torch.zeros((2 * tk, hk, d), dtype=f32, device=dev)  # owners' sums of remote [dK; dV]
     reduces = []
     pending = _start_cast(rt, kv, 0) if n else None
     if rt.me.calc.kv_concat:
         work, buf = pending
         work.wait()
-        rows = tk + buf.shape[0]
+        kb, vb = _halves(buf)
+        rows = tk + kb.shape[0]
         dk_all = torch.zeros((rows, hk, d), dtype=f32, device=dev)
         dv_all = torch.zeros((rows, hk, d), dtype=f32, device=dev)
-        _bwd_stage(dout, q, torch.cat([kv, buf]), out, lse, remote[0], dq, dk_all, dv_all, scale, softcap)
+        _bwd_stage(
+            dout,
+            q,
+            torch.cat([k, kb]),
+            torch.cat([v, vb]),
+            out,
+            lse,
+            remote[0],
+            dq,
+            dk_all,
+            dv_all,
+            scale,
+            softcap,
+        )
         dk += dk_all[:tk]
         dv += dv_all[:tk]
-        reduces.append(_start_reduce(rt, torch.cat([dk_all[tk:], dv_all[tk:]], dim=-1), dkv_remote, 0))
+        reduces.append(_start_reduce(rt, torch.cat([dk_all[tk:], dv_all[tk:]]), dkv_remote, 0))
     else:
-        _bwd_stage(dout, q, kv, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap)
+        _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap)
         for t in range(n):
             work, buf = pending
             work.wait()
             pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-            rows = buf.shape[0]
-            dk_t = torch.zeros((rows, hk, d), dtype=f32, device=dev)
-            dv_t = torch.zeros((rows, hk, d), dtype=f32, device=dev)
-            _bwd_stage(dout, q, buf, out, lse, remote[t], dq, dk_t, dv_t, scale, softcap)
-            reduces.append(_start_reduce(rt, torch.cat([dk_t, dv_t], dim=-1), dkv_remote, t))
+            dkv_t = torch.zeros(buf.shape, dtype=f32, device=dev)  # [dK; dV] of the stage buffer
+            _bwd_stage(dout, q, *_halves(buf), out, lse, remote[t], dq, *_halves(dkv_t), scale, softcap)
+            reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
-    dk += dkv_remote[..., :d]
-    dv += dkv_remote[..., d:]
+    dk += dkv_remote[:tk]
+    dv += dkv_remote[tk:]
     return dq, dk, dv
 
 
