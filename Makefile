@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.installed
 
 # CPU torch lies on disk (torch 2.13.0); where nvidia-smi exists, pip's default (CUDA) build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
-DEV_DEPS   := pytest pytest-xdist hypothesis ruff setuptools wheel "matplotlib>=3.7"
+# triton: its interpreter runs the native comm kernels on the CPU in CI
+DEV_DEPS   := pytest pytest-xdist hypothesis ruff setuptools wheel "matplotlib>=3.7" "triton==3.6.*"
 
 .PHONY: venv test lint demo bench-solver clean
 
