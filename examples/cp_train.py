@@ -172,6 +172,7 @@ def _spawned(rank: int, world: int, store: str, args: argparse.Namespace, out: s
         result = run(rank, world, args)
         if rank == 0:
             torch.save(result, out)
+        dist.barrier()  # leave together (see magi_dist.testing)
     finally:
         from magi_comm import close_default_collectives
 

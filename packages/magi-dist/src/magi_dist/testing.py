@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 import traceback
@@ -150,6 +151,7 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
 
 
 def _init(rank: int, world: int, store_path: str, backend: str) -> torch.device:
+    faulthandler.enable()  # a native abort in a rank still shows its Python stack
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -165,7 +167,9 @@ def _init(rank: int, world: int, store_path: str, backend: str) -> torch.device:
     return device
 
 
-def _shutdown() -> None:
+def _shutdown(ok: bool) -> None:
+    if ok:  # leave together: a rank tearing gloo down while a peer still talks to it can abort
+        dist.barrier()
     md.clear_cache()
     close_default_collectives()
     dist.destroy_process_group()
@@ -176,6 +180,7 @@ def _worker(
 ) -> None:
     os.environ.update(env)
     device = _init(rank, world, store_path, backend)
+    ok = False
     try:
         for case in cases:
             try:
@@ -184,8 +189,9 @@ def _worker(
                 raise AssertionError(
                     f"rank {rank}/{world}, case {case.name}: {e}\n{traceback.format_exc()}"
                 ) from e
+        ok = True
     finally:
-        _shutdown()
+        _shutdown(ok)
 
 
 def spawn_gloo(
@@ -251,10 +257,12 @@ def check_bad_inputs(rank: int, world: int) -> None:
 
 def _fn_worker(rank: int, world: int, store_path: str, fn_name: str) -> None:
     _init(rank, world, store_path, "gloo")
+    ok = False
     try:
         globals()[fn_name](rank, world)
+        ok = True
     finally:
-        _shutdown()
+        _shutdown(ok)
 
 
 def spawn_gloo_fn(world: int, fn_name: str) -> None:
