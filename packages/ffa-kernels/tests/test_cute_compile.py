@@ -135,19 +135,25 @@ def test_plan_empty_blocks_never_planned():
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported: compile with no GPU
 
 
+VARIANTS = list(
+    itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True))
+)  # (head_dim, dtype, softcap, accumulate)
+
+
 def test_compile_every_variant(tmp_path, monkeypatch):
-    """Every compiled variant, for sm_90a, on a machine with no GPU; also exercises the disk cache."""
+    """Every compiled variant (normal and accumulate epilogue), for sm_90a, on a machine with no
+    GPU; also exercises the disk cache."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
     from ffa_kernels.cute import launch
 
     times = {}
-    for d, dt, softcap in itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)):
+    for d, dt, softcap, acc in VARIANTS:
         cfg = default_config(d)
-        launch._COMPILED.pop(launch.compile_key(dt, cfg, softcap), None)
+        launch._COMPILED.pop(launch.compile_key(dt, cfg, softcap, acc), None)
         t0 = time.perf_counter()
-        fn = launch.get_kernel(dt, cfg, softcap, use_disk_cache=True)
-        times[(d, str(dt), softcap)] = time.perf_counter() - t0
+        fn = launch.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
+        times[(d, str(dt), softcap, acc)] = time.perf_counter() - t0
         assert fn is not None
         # return_max_logits and sink are runtime flags: no extra variants
     print("compile times (s):", {k: round(v, 2) for k, v in times.items()})
@@ -156,9 +162,11 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     assert len(objs) == len(times)
     launch._COMPILED.clear()
     t0 = time.perf_counter()
-    for d, dt, softcap in itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)):
-        assert launch.get_kernel(dt, default_config(d), softcap, use_disk_cache=True) is not None
-    print(f"8 variants loaded from the disk cache in {time.perf_counter() - t0:.2f} s")
+    for d, dt, softcap, acc in VARIANTS:
+        assert (
+            launch.get_kernel(dt, default_config(d), softcap, accumulate=acc, use_disk_cache=True) is not None
+        )
+    print(f"{len(VARIANTS)} variants loaded from the disk cache in {time.perf_counter() - t0:.2f} s")
 
 
 def test_compile_key_has_no_shapes():
@@ -168,3 +176,31 @@ def test_compile_key_has_no_shapes():
     k1 = launch.compile_key(torch.bfloat16, default_config(128), False)
     assert all(not isinstance(x, torch.Tensor) for x in k1)
     assert k1 == launch.compile_key(torch.bfloat16, default_config(128), False)
+    k2 = launch.compile_key(torch.bfloat16, default_config(128), False, True)
+    assert k2 != k1 and all(not isinstance(x, torch.Tensor) for x in k2)
+
+
+def test_accumulate_exported_and_validates():
+    """cute_forward_accumulate is exported with cutlass and rejects bad accumulators before any launch."""
+    pytest.importorskip("cutlass")
+    import ffa_kernels.cute as fc
+    from ffa_kernels.cute.launch import cute_forward_accumulate
+
+    assert callable(fc.cute_forward_accumulate) and "cute_forward_accumulate" in fc.__all__
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    k = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    r = torch.tensor([[0, 8]], dtype=torch.int32)
+    lse = torch.full((8, 2), float("-inf"))
+    kw = dict(softmax_scale=None, softcap=0.0)
+    with pytest.raises(TypeError, match="float32"):
+        cute_forward_accumulate(q, k, k, r, r, None, torch.zeros(8, 2, 64, dtype=torch.bfloat16), lse, **kw)
+    with pytest.raises(ValueError, match="shape"):
+        cute_forward_accumulate(q, k, k, r, r, None, torch.zeros(8, 2, 32), lse, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        cute_forward_accumulate(q, k, k, r, r, None, torch.zeros(8, 64, 2).transpose(1, 2), lse, **kw)
+    with pytest.raises(ValueError, match="shape"):
+        cute_forward_accumulate(
+            q, k, k, r, r, None, torch.zeros(8, 2, 64), lse, max_logits_acc=torch.zeros(3), **kw
+        )
+    with pytest.raises(NotImplementedError):
+        cute_forward_accumulate(q.float(), k, k, r, r, None, torch.zeros(8, 2, 64), lse, **kw)

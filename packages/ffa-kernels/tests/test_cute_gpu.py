@@ -306,3 +306,178 @@ def test_deterministic_repeat():
     o1, l1, _ = cute_forward(q, k, v, *args, **kw)
     o2, l2, _ = cute_forward(q, k, v, *args, **kw)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+# ----------------------------------------------------------------------------- accumulate mode
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN == NaN, -0 != +0): 'not written at all'."""
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def run_accumulate_case(
+    calls, tq, tk, prior=None, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, max_logits=False,
+    poison_empty=False, seed=0,
+):  # fmt: skip
+    """cute_forward_accumulate once per call, into one float32 accumulator, vs the float64 oracle.
+
+    calls: list of (q_ranges, k_ranges, types); prior: same, or None: the accumulator starts from
+    the oracle result of these slices (a previous partial, computed elsewhere), else 0 / -inf.
+    The cells of all slices together must be disjoint; their union is the oracle's mask.
+    poison_empty: rows whose starting lse is -inf start with out = NaN (their out is ignored).
+    Checks: rows covered by some call match the union's oracle with run_case's tolerance; rows
+    covered by no call are bitwise untouched (out, lse); max_logits_acc is max-updated.
+    """
+    from ffa_kernels.cute import cute_forward_accumulate
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    scale = d**-0.5
+    all_slices = [s for c in ([prior] if prior else []) + list(calls) for s in zip(*c)]
+    qa, ka, ta = ([list(s[i]) if i < 2 else s[i] for s in all_slices] for i in range(3))
+    mask = dense_mask(qa, ka, ta, tq, tk, device="cuda")  # asserts the cells are disjoint
+    if prior is not None:
+        pmask = dense_mask(*prior, tq, tk, device="cuda")
+        po, pl, pm = oracle(q, k, v, pmask, scale, softcap)
+        out_acc = po.float().contiguous()
+        lse_acc = pl.float().contiguous()
+        ml_acc = pm.float().contiguous()
+    else:
+        out_acc = torch.zeros(tq, hq, d, device="cuda", dtype=torch.float32)
+        lse_acc = torch.full((tq, hq), float("-inf"), device="cuda", dtype=torch.float32)
+        ml_acc = torch.full((hq,), float("-inf"), device="cuda", dtype=torch.float32)
+    if poison_empty:
+        out_acc[torch.isinf(lse_acc)] = float("nan")
+    out0, lse0 = out_acc.clone(), lse_acc.clone()
+    call_rows = torch.zeros(tq, dtype=torch.bool, device="cuda")
+    for qr, kr, ty in calls:
+        call_rows |= dense_mask(qr, kr, ty, tq, tk, device="cuda").any(dim=1)
+        res = cute_forward_accumulate(
+            q, k, v,
+            torch.tensor(qr, dtype=torch.int32, device="cuda").reshape(-1, 2),
+            torch.tensor(kr, dtype=torch.int32, device="cuda").reshape(-1, 2),
+            torch.tensor(ty, dtype=torch.int32, device="cuda"),
+            out_acc, lse_acc,
+            softmax_scale=scale, softcap=softcap, max_logits_acc=ml_acc if max_logits else None,
+        )  # fmt: skip
+        assert res[0] is out_acc and res[1] is lse_acc
+    torch.cuda.synchronize()
+    o64, l64, m64 = oracle(q, k, v, mask, scale, softcap)
+    olp, _, _ = oracle(q, k, v, mask, scale, softcap, lowprec=True)
+    # rows no call covers: not written at all (also inside tiles that other rows keep busy)
+    assert _bits_equal(out_acc[~call_rows], out0[~call_rows]), "a row no call covers was written (out)"
+    assert _bits_equal(lse_acc[~call_rows], lse0[~call_rows]), "a row no call covers was written (lse)"
+    rows = call_rows
+    if prior is not None:  # rows of the prior alone were checked bitwise above; compare the rest
+        rows = call_rows | ~torch.isinf(lse0).all(dim=1)
+    o, lt = out_acc[rows], lse_acc[rows]
+    assert not torch.isnan(o).any(), "NaN in out_acc"
+    assert not torch.isnan(lt).any(), "NaN in lse_acc"
+    err = (o.double() - o64[rows]).abs().max().item() if o.numel() else 0.0
+    tol = 2 * (olp - o64).abs().max().item() + 1e-3
+    assert err <= tol, f"out err {err:.3e} > tol {tol:.3e}"
+    fin = torch.isfinite(l64[rows])
+    assert torch.equal(torch.isfinite(lt), fin), "lse finiteness differs"
+    lerr = ((lt.double() - l64[rows]).abs() / l64[rows].abs().clamp_min(1.0))[fin]
+    assert lerr.numel() == 0 or lerr.max().item() <= 1e-3, f"lse rel err {lerr.max().item():.3e}"
+    if max_logits:
+        fm = torch.isfinite(m64)
+        assert torch.equal(torch.isfinite(ml_acc), fm)
+        assert torch.allclose(ml_acc.double()[fm], m64[fm], rtol=1e-3, atol=1e-3), (ml_acc, m64)
+    return err, tol
+
+
+def _three_key_sets(tq, tk, types=(0, 1, 2)):
+    """Three calls over disjoint key sets [0, a), [a, b), [b, tk) with different q coverage:
+    rows [0, tq/8) only call A, the middle all three, the last q tiles (past 0.8 tq) none."""
+    a, b = tk // 3, (2 * tk) // 3
+    qa, qb, qc = [0, (tq * 5) // 8], [tq // 8, (tq * 4) // 5], [tq // 4, (tq * 3) // 4]
+    return [
+        ([qa], [[0, a]], [types[0]]),
+        ([qb], [[a, b]], [types[1]]),
+        ([qc, [qc[1], (tq * 4) // 5]], [[b, tk], [b, tk]], [types[2], 0]),
+    ]
+
+
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_accumulate_three_key_sets(d, dtype):
+    # tq = 1200: rows past 960 are covered by no call, tiles 1024.. have no entries at all
+    run_accumulate_case(_three_key_sets(1200, 900), 1200, 900, d=d, dtype=dtype)
+    # causal with sq > sk inside a call: its first rows are empty inside tiles that have entries
+    calls = [([[0, 500]], [[0, 200]], [1]), ([[0, 500]], [[200, 300]], [0])]
+    run_accumulate_case(calls, 640, 300, d=d, dtype=dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("seed", range(6))
+def test_accumulate_random(seed):
+    """Random disjoint slices dealt to 2-3 calls (by key block), optionally a prior partial."""
+    rng = random.Random(100 + seed)
+    tq, tk = rng.randrange(1, 1500), rng.randrange(2, 1500)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    ncalls = rng.choice([2, 3])
+    groups = [([], [], []) for _ in range(ncalls + 1)]  # the last one is the prior
+    for s in zip(qr, kr, ty):
+        grp = groups[rng.randrange(ncalls + 1) if seed % 2 else rng.randrange(ncalls)]
+        for lst, x in zip(grp, s):
+            lst.append(x)
+    calls = [gp for gp in groups[:ncalls] if gp[0]]
+    prior = groups[ncalls] if groups[ncalls][0] else None
+    d = rng.choice([64, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    run_accumulate_case(calls, tq, tk, prior=prior, d=d, dtype=dtype, seed=seed)
+
+
+@requires_sm90
+def test_accumulate_prior_and_poison():
+    """Starting from a finite partial (rows of the prior only must stay bitwise untouched) and
+    from NaN in the out of -inf rows (taken over where a call covers the row, kept elsewhere)."""
+    calls = _three_key_sets(1100, 1000)
+    prior = ([[1050, 1100]], [[0, 1000]], [1])  # rows no call covers: must stay bitwise as they were
+    run_accumulate_case(calls, 1100, 1000, prior=prior)
+    run_accumulate_case(calls, 1100, 1000, poison_empty=True)
+    run_accumulate_case(calls, 1100, 1000, prior=prior, poison_empty=True, dtype=torch.float16, d=64)
+    # a prior on the same rows as the calls, with its own keys: a three-way merge on most rows
+    calls = [([[0, 800]], [[0, 300]], [0]), ([[100, 800]], [[300, 700]], [1])]
+    prior = ([[0, 800]], [[700, 1000]], [0])
+    run_accumulate_case(calls, 900, 1000, prior=prior, poison_empty=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+def test_accumulate_softcap_max_logits_gqa(d):
+    calls = _three_key_sets(800, 700, types=(1, 0, 3))
+    run_accumulate_case(calls, 800, 700, d=d, softcap=20.0, max_logits=True, hq=8, hk=2)
+    run_accumulate_case(calls, 800, 700, d=d, softcap=0.0, max_logits=True, hq=6, hk=3)
+    prior = ([[700, 800]], [[0, 700]], [0])
+    run_accumulate_case(calls, 800, 700, d=d, softcap=5.0, max_logits=True, prior=prior)
+
+
+@requires_sm90
+def test_accumulate_one_call_matches_cute_forward_and_empty_call():
+    from ffa_kernels.cute import cute_forward, cute_forward_accumulate
+
+    qr, kr, ty, t = varlen_slices([700, 129, 300], 1)
+    q = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, 4, 128, device="cuda", dtype=torch.bfloat16)
+    args = tuple(torch.tensor(x, dtype=torch.int32, device="cuda") for x in (qr, kr, ty))
+    out, lse, _ = cute_forward(
+        q, k, v, *args, softmax_scale=None, softcap=0.0, sink=None, sink_layout="sh", return_max_logits=False
+    )
+    out_acc = torch.zeros(t, 4, 128, device="cuda")
+    lse_acc = torch.full((t, 4), float("-inf"), device="cuda")
+    cute_forward_accumulate(q, k, v, *args, out_acc, lse_acc, softmax_scale=None, softcap=0.0)
+    torch.cuda.synchronize()
+    # same math; out only differs by the bf16 rounding of the normal mode's output
+    assert (out_acc - out.float()).abs().max().item() <= 1e-2
+    assert torch.allclose(lse_acc, lse, rtol=1e-5, atol=1e-5)
+    # a call that covers nothing (and one with no rows) leaves the accumulator bitwise untouched
+    o0, l0 = out_acc.clone(), lse_acc.clone()
+    empty = torch.tensor([[0, 0]], dtype=torch.int32, device="cuda")
+    cute_forward_accumulate(q, k, v, empty, empty, None, out_acc, lse_acc, softmax_scale=None, softcap=0.0)
+    torch.cuda.synchronize()
+    assert _bits_equal(out_acc, o0) and _bits_equal(lse_acc, l0)

@@ -13,6 +13,15 @@ take turns issuing GEMMs (named barriers), so one's softmax overlaps the other's
 One CTA per (work tile, head); the plan (plan.py) lists per work tile its entries
 (slice pieces) and the K/V blocks they need; blocks fully inside a slice skip masking,
 partial ones get the band mask, empty ones are never planned (never loaded).
+
+Two epilogues, chosen at compile time (``accumulate``):
+  normal      O in q.dtype through shared memory and one TMA store per tile, lse f32; every
+              row of every q tile is written (uncovered rows: out = 0, lse = -inf);
+  accumulate  O and lse are a float32 partial result already in global memory (out normalised,
+              lse natural log). Each consumer thread reads its own fragment rows/columns,
+              merges them with its normalised result by log-sum-exp and writes them back
+              (plain loads/stores: one CTA owns each (row, head)). Rows this call does not
+              cover, and work tiles with no entries, are not written at all.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from .pipeline import (
     tma_load_rows,
 )
 from .plan import ENTRY_COLS
-from .softmax import finalize, init_state, online_step, rescale_rows
+from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_rows
 
 FLAG_HAS_SINK = 1
 FLAG_MAX_LOGITS = 2
@@ -55,12 +64,18 @@ def _smem_layout(dtype, rows: int, cols: int, stages: int | None):
 
 
 class FFAForwardSm90:
-    """One compiled kernel per (dtype, FwdConfig, softcap on/off)."""
+    """One compiled kernel per (dtype, FwdConfig, softcap on/off, accumulate on/off).
 
-    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool):
+    accumulate=False: ``ptr_o`` is the (Tq, Hq, D) output in ``dtype``, ``ptr_lse`` the f32 lse,
+    both written for every row. accumulate=True: ``ptr_o`` is a float32 (Tq, Hq, D) and
+    ``ptr_lse`` a float32 (Tq, Hq) accumulator, read and merged in place; no sink.
+    """
+
+    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False):
         self.dtype = dtype
         self.cfg = cfg
         self.has_softcap = has_softcap
+        self.accumulate = accumulate
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
 
     # ------------------------------------------------------------------ host side (traced)
@@ -70,8 +85,8 @@ class FFAForwardSm90:
         ptr_q: cute.Pointer,  # (Tq, Hq, D) contiguous
         ptr_k: cute.Pointer,  # (Tk, Hk, D) contiguous
         ptr_v: cute.Pointer,  # (Tk, Hk, D) contiguous
-        ptr_o: cute.Pointer,  # (Tq, Hq, D) contiguous
-        ptr_lse: cute.Pointer,  # (Tq, Hq) f32
+        ptr_o: cute.Pointer,  # (Tq, Hq, D) contiguous; dtype (normal) or f32 accumulator (accumulate)
+        ptr_lse: cute.Pointer,  # (Tq, Hq) f32 (accumulate: read and merged in place)
         ptr_work: cute.Pointer,  # (W, 4) i32
         ptr_ent: cute.Pointer,  # (E, 8) i32
         ptr_sink: cute.Pointer,  # (Tq, Hq) f32, natural-log LSE of the sink logits (dummy if none)
@@ -138,10 +153,15 @@ class FFAForwardSm90:
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
             op, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1
         )
-        mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
-        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_layout, (self.tile_m, self.hdim)
-        )
+        if cutlass.const_expr(self.accumulate):
+            # no TMA store: the epilogue reads and writes the f32 accumulator directly
+            # (tma_atom_q only fills the unused descriptor argument)
+            tma_atom_o, tma_o = tma_atom_q, mO
+        else:
+            mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
+            tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_layout, (self.tile_m, self.hdim)
+            )
         elem_bytes = self.dtype.width // 8
         self.bytes_q = self.tile_m * self.hdim * elem_bytes
         self.bytes_kv = self.tile_n * self.hdim * elem_bytes
@@ -228,7 +248,8 @@ class FFAForwardSm90:
             cpasync.prefetch_descriptor(tma_atom_q)
             cpasync.prefetch_descriptor(tma_atom_k)
             cpasync.prefetch_descriptor(tma_atom_v)
-            cpasync.prefetch_descriptor(tma_atom_o)
+            if cutlass.const_expr(not self.accumulate):
+                cpasync.prefetch_descriptor(tma_atom_o)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -506,6 +527,26 @@ class FFAForwardSm90:
                 v_state.advance()
 
         # ---- epilogue
+        if cutlass.const_expr(self.accumulate):
+            if nb_total > 0:  # a work tile with no entries leaves the accumulator untouched
+                self.epilogue_accumulate(
+                    ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, tma_o, mLSE, m0, head,
+                    scale_log2, softmax_scale, track_max, mMaxLogit,
+                )  # fmt: skip
+        else:
+            self.epilogue_store(
+                ctid, sQ, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+                mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
+            )  # fmt: skip
+
+    @cute.jit
+    def epilogue_store(
+        self, ctid, sQ, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+        mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
+    ):  # fmt: skip
+        """Normal epilogue: O (dtype) via smem + TMA store, lse f32; every row of the tile."""
+        cfg = self.cfg
+        num_rows = cute.size(row_max)
         thr_mma_pv = tiled_mma_pv.get_slice(ctid)
         tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
         total_q = mLSE.shape[0]
@@ -550,15 +591,93 @@ class FFAForwardSm90:
                 if row < total_q:
                     mLSE[row, head] = row_lse[r]
         if track_max:
-            mx = -Float32.inf
-            for r in cutlass.range_constexpr(num_rows):
-                if cutlass.const_expr(self.has_softcap):
-                    mx = cute.arch.fmax(mx, raw_max[r])
-                else:
-                    mx = cute.arch.fmax(mx, true_max[r])
-            mx = cute.arch.warp_reduction_max(mx)
-            if cute.arch.lane_idx() == 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
-                if mx != -Float32.inf:
-                    cute.arch.atomic_fmax(mMaxLogit.iterator + head, mx * softmax_scale)
+            self.store_max_logit(raw_max, true_max, mMaxLogit, head, softmax_scale)
         if ctid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_max_logit(self, raw_max, true_max, mMaxLogit, head, softmax_scale):
+        """Warp max of the rows' raw score max, then one atomic fmax per warp into max_logits[head]."""
+        mx = -Float32.inf
+        for r in cutlass.range_constexpr(cute.size(raw_max)):
+            if cutlass.const_expr(self.has_softcap):
+                mx = cute.arch.fmax(mx, raw_max[r])
+            else:
+                mx = cute.arch.fmax(mx, true_max[r])
+        mx = cute.arch.warp_reduction_max(mx)
+        if cute.arch.lane_idx() == 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
+            if mx != -Float32.inf:
+                cute.arch.atomic_fmax(mMaxLogit.iterator + head, mx * softmax_scale)
+
+    @cute.jit
+    def epilogue_accumulate(
+        self, ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, mO, mLSE, m0, head,
+        scale_log2, softmax_scale, track_max, mMaxLogit,
+    ):  # fmt: skip
+        """Accumulate epilogue: merge this tile's result into float32 (out_acc, lse_acc) in place.
+
+        mO: f32 (Tq, Hq, D), mLSE: f32 (Tq, Hq). Per row (o2, l2 = this call, o1, l1 = stored):
+        l = logaddexp(l1, l2), o = exp(l1 - l) * o1 + exp(l2 - l) * o2. l2 = -inf (row not
+        covered by this call) writes nothing; l1 = -inf takes (o2, l2) as they are (whatever o1
+        holds). Each thread reads and writes only its own fragment elements; the 4 threads of a
+        quad share a row, so all of them read l1 before one of them writes the new lse.
+        """
+        num_rows = cute.size(row_max)
+        total_q = mLSE.shape[0]
+        thr_mma_pv = tiled_mma_pv.get_slice(ctid)
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        gO = cute.local_tile(
+            cute.domain_offset((m0, 0), mO[None, head, None]), (self.tile_m, self.hdim), (0, 0)
+        )
+        tOgO = acc_rows_cols(thr_mma_pv.partition_C(gO))
+        no_sink = cute.make_rmem_tensor(num_rows, Float32)
+        no_sink.fill(-Float32.inf)
+        row_inv = cute.make_rmem_tensor(num_rows, Float32)
+        row_lse = cute.make_rmem_tensor(num_rows, Float32)
+        finalize(row_max, row_sum, scale_log2, no_sink, row_inv, row_lse)
+        rescale_rows(acc_O, row_inv)
+        o_new = acc_rows_cols(acc_O)
+        # old lse of every row this thread holds (-inf past Tq: those rows are never written)
+        lse_old = cute.make_rmem_tensor(num_rows, Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            row = m0 + tOcO[r, 0][0]
+            lv = -Float32.inf
+            if row < total_q:
+                lv = mLSE[row, head]
+            lse_old[r] = lv
+        cute.arch.sync_warp()  # the quad's reads of lse_acc happen before its one write below
+        col0 = tOcO[0, 0][1]
+        for r in cutlass.range_constexpr(num_rows):
+            row = m0 + tOcO[r, 0][0]
+            l1 = lse_old[r]
+            l2 = row_lse[r]
+            if row < total_q:  # noqa: SIM102 (DSL: keep run-time conditions apart)
+                if l2 != -Float32.inf:
+                    l_new = l2
+                    w1 = Float32(0.0)
+                    w2 = Float32(1.0)
+                    if l1 != -Float32.inf:
+                        mx = cute.arch.fmax(l1, l2)
+                        mn = l1 if l1 < l2 else l2
+                        e = cute.math.exp2((mn - mx) * LOG2_E, fastmath=True)  # in (0, 1]
+                        l_new = mx + cute.math.log2(1.0 + e, fastmath=True) * LN_2
+                        w1 = cute.math.exp2((l1 - l_new) * LOG2_E, fastmath=True)
+                        w2 = cute.math.exp2((l2 - l_new) * LOG2_E, fastmath=True)
+                    keep_old = l1 != -Float32.inf
+                    # this row's columns: ((2, V, N)), pairs of adjacent columns at even offsets;
+                    # out_acc is 16-byte aligned and D is even, so every pair is 8-byte aligned
+                    g_row = tOgO[r, None]
+                    g_ptr = cute.make_ptr(
+                        Float32, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=8
+                    )
+                    g_row = cute.make_tensor(g_ptr, g_row.layout)
+                    o_row = cute.make_rmem_tensor(g_row.shape, Float32)
+                    cute.autovec_copy(g_row, o_row)
+                    for c in cutlass.range_constexpr(cute.size(o_row)):
+                        o2 = o_new[r, c]
+                        o_row[c] = o_row[c] * w1 + o2 * w2 if keep_old else o2
+                    cute.autovec_copy(o_row, g_row)
+                    if col0 == 0:
+                        mLSE[row, head] = l_new
+        if track_max:
+            self.store_max_logit(raw_max, true_max, mMaxLogit, head, softmax_scale)
