@@ -142,6 +142,21 @@ def bench(fn, iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters * 1e-3  # seconds
 
 
+def paired_overhead(base, variant, iters: int, pairs: int = 15) -> float:
+    """Median over back-to-back pairs of time(variant) / time(base) - 1, the order alternating
+    within the pairs: both sides of a pair see the same clock, so drift cancels."""
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            tv = bench(variant, iters, warmup=1)
+            tb = bench(base, iters, warmup=1)
+        else:
+            tb = bench(base, iters, warmup=1)
+            tv = bench(variant, iters, warmup=1)
+        ratios.append(tv / tb - 1.0)
+    return sorted(ratios)[len(ratios) // 2]
+
+
 def host_us(fn, iters: int = 20) -> float:
     """Host time per call (launch overhead), measured without synchronising."""
     torch.cuda.synchronize()
@@ -340,10 +355,8 @@ def main(argv=None):
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         for name, ts in times.items():
             res[name] = tflops(case, med(ts))
-        if "ffa+maxlogits" in times:
-            res["maxlogits_overhead"] = med(
-                [m / p - 1.0 for m, p in zip(times["ffa+maxlogits"], times["ffa"])]
-            )
+        if "ffa+maxlogits" in fns:
+            res["maxlogits_overhead"] = paired_overhead(fns["ffa"], fns["ffa+maxlogits"], args.iters)
         rows.append((case, res, first))
         del q, k, v
         torch.cuda.empty_cache()

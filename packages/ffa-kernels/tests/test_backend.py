@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from ffa_kernels import _backend, ffa_forward_stage, flex_flash_attn_func
+from ffa_kernels import _backend, apply_sink, ffa_forward_stage, flex_flash_attn_func
+from ffa_kernels._merge import merge_lse_
 from ffa_kernels.testing import dense_attention
 
 CUDA = torch.device("cuda")
@@ -23,22 +24,37 @@ def _clean(monkeypatch):
 
 
 def _fake_cute(with_forward=True, calls=None):
+    """A stand-in for ``ffa_kernels.cute`` computing with the dense oracle, recording its calls."""
     mod = types.ModuleType("ffa_kernels.cute")
     if with_forward:
 
         def cute_forward(q, k, v, q_ranges, k_ranges, attn_type_map, *, softmax_scale, softcap, sink,
                          sink_layout, return_max_logits):  # fmt: skip
             if calls is not None:
-                calls.append(dict(softmax_scale=softmax_scale, softcap=softcap, sink=sink,
+                calls.append(dict(fn="forward", softmax_scale=softmax_scale, softcap=softcap, sink=sink,
                                   return_max_logits=return_max_logits, ranges_dtype=q_ranges.dtype,
                                   type_map=attn_type_map.tolist()))  # fmt: skip
             out, lse, mx = dense_attention(
                 q.double(), k.double(), v.double(), q_ranges, k_ranges, attn_type_map,
-                softmax_scale=softmax_scale, softcap=softcap,
+                sink=sink, sink_layout=sink_layout, softmax_scale=softmax_scale, softcap=softcap,
             )  # fmt: skip
             return out.to(q.dtype), lse.float(), mx.float() if return_max_logits else None
 
+        def cute_forward_accumulate(q, k, v, q_ranges, k_ranges, attn_type_map, out_acc, lse_acc, *,
+                                    softmax_scale, softcap, max_logits_acc=None):  # fmt: skip
+            if calls is not None:
+                calls.append(dict(fn="accumulate", out_acc=out_acc.data_ptr()))
+            out, lse, mx = dense_attention(
+                q.double(), k.double(), v.double(), q_ranges, k_ranges, attn_type_map,
+                softmax_scale=softmax_scale, softcap=softcap,
+            )  # fmt: skip
+            merge_lse_(out_acc, lse_acc, out.to(out_acc.dtype), lse.to(lse_acc.dtype))
+            if max_logits_acc is not None:
+                torch.maximum(max_logits_acc, mx.to(max_logits_acc.dtype), out=max_logits_acc)
+            return out_acc, lse_acc
+
         mod.cute_forward = cute_forward
+        mod.cute_forward_accumulate = cute_forward_accumulate
     return mod
 
 
@@ -97,8 +113,9 @@ def test_backward_on_cute_runs_reference_and_logs_once(monkeypatch, caplog):
     assert sum("no CuTe backward" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_cute_dispatch_path_merges_and_applies_sink(monkeypatch):
-    """With the CuTe backend selected, its result goes through the same merge + sink + backward."""
+def test_cute_dispatch_path_sink_and_backward(monkeypatch):
+    """With the CuTe backend selected, flex_flash_attn_func is one kernel call with the sink, and
+    its result goes through the same backward."""
     calls = []
     monkeypatch.setattr(_backend, "_cute", _fake_cute(calls=calls))
     monkeypatch.setattr(_backend, "select_forward_backend", lambda device, dtype: "cute")
@@ -110,8 +127,12 @@ def test_cute_dispatch_path_merges_and_applies_sink(monkeypatch):
     qr = torch.tensor([[0, 6], [2, 5]], dtype=torch.int32)
     kr = torch.tensor([[0, 4], [4, 7]], dtype=torch.int32)
     out, meta = flex_flash_attn_func(q, k, v, qr, kr, None, sink=sink, softcap=2.0, return_max_logits=True)
-    assert calls == [dict(softmax_scale=8**-0.5, softcap=2.0, sink=None, return_max_logits=True,
-                          ranges_dtype=torch.int32, type_map=[0, 0])]  # fmt: skip
+    assert len(calls) == 1 and calls[0]["fn"] == "forward" and calls[0]["sink"] is not None
+    assert {
+        k: calls[0][k] for k in ("softmax_scale", "softcap", "return_max_logits", "ranges_dtype", "type_map")
+    } == dict(
+        softmax_scale=8**-0.5, softcap=2.0, return_max_logits=True, ranges_dtype=torch.int32, type_map=[0, 0]
+    )
     ref_out, ref_lse, ref_max = dense_attention(q, k, v, qr, kr, sink=sink, softcap=2.0)
     torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(meta.lse, ref_lse.float())
@@ -122,11 +143,40 @@ def test_cute_dispatch_path_merges_and_applies_sink(monkeypatch):
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
 
-    # the stage API goes through the same dispatch
-    out_acc = torch.zeros(6, 4, 8, dtype=torch.float64)
-    lse_acc = torch.full((6, 4), float("-inf"), dtype=torch.float64)
-    ffa_forward_stage(q.detach(), k.detach(), v.detach(), qr, kr, None, out_acc, lse_acc, softcap=2.0)
-    assert len(calls) == 2
+
+@pytest.mark.parametrize("acc", ["float32", "float64", "float32-strided"])
+def test_cute_stage_path_accumulates_in_place_or_merges(monkeypatch, acc):
+    """A float32 contiguous accumulator is merged into by the kernel itself; float64 or strided
+    ones get the kernel's fresh result merged by torch. Both equal the one-call oracle."""
+    calls = []
+    monkeypatch.setattr(_backend, "_cute", _fake_cute(calls=calls))
+    monkeypatch.setattr(_backend, "select_forward_backend", lambda device, dtype: "cute")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(n, h, 8, generator=gen, dtype=torch.float64) for n, h in ((9, 4), (10, 2), (10, 2))
+    )
+    qr = torch.tensor([[0, 9], [3, 8], [0, 5]], dtype=torch.int32)
+    kr = torch.tensor([[0, 4], [4, 10], [4, 10]], dtype=torch.int32)
+    types_ = torch.tensor([1, 0, 2], dtype=torch.int32)
+    dtype = torch.float64 if acc == "float64" else torch.float32
+    if acc == "float32-strided":
+        out_acc = torch.zeros(9, 4, 16, dtype=dtype)[..., ::2]
+    else:
+        out_acc = torch.zeros(9, 4, 8, dtype=dtype)
+    lse_acc = torch.full((9, 4), float("-inf"), dtype=dtype)
+    max_acc = torch.full((4,), float("-inf"), dtype=dtype)
+    for part in ([0], [1, 2]):
+        ffa_forward_stage(q, k, v, qr[part], kr[part], types_[part], out_acc, lse_acc, max_logits_acc=max_acc)
+    apply_sink(out_acc, lse_acc, None, "sh")
+    expected = "accumulate" if acc == "float32" else "forward"
+    assert [c["fn"] for c in calls] == [expected, expected]
+    if acc == "float32":
+        assert calls[0]["out_acc"] == out_acc.data_ptr()
+    ref_out, ref_lse, ref_max = dense_attention(q, k, v, qr, kr, types_)
+    tol = 1e-5  # the kernel stand-in hands out float32 lse, like the kernel
+    torch.testing.assert_close(out_acc.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_acc.double(), ref_lse, atol=tol, rtol=tol)
+    torch.testing.assert_close(max_acc.double(), ref_max, atol=tol, rtol=tol)
 
 
 def test_cute_not_implemented_falls_back_unless_forced(monkeypatch, caplog):

@@ -140,6 +140,47 @@ VARIANTS = list(
 )  # (head_dim, dtype, softcap, accumulate)
 
 
+def _read_c_values(spec, addrs) -> list:
+    import ctypes
+
+    from ffa_kernels.cute.launcher import _CTYPE
+
+    out = []
+    for (kind, _, _), a in zip(spec, addrs, strict=True):
+        a = a.value if isinstance(a, ctypes.c_void_p) else int(a)
+        out.append(_CTYPE[kind].from_address(a).value)
+    return out
+
+
+def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
+    """The packed launcher hands the compiled host function exactly the C values the DSL's own
+    marshalling would, for random argument values (nothing is launched: a spy takes the call)."""
+    from ffa_kernels.cute import launch, launcher
+
+    spec = launcher.arg_spec(accumulate)
+    elem = launch._dtype_of(torch_dtype)
+    assert launcher.packed_matches_dsl(fn, spec, elem)
+    rng = random.Random(len(spec))
+    vals = [
+        rng.randrange(1, 2**43) * 16 if kind in ("ptr", "stream")
+        else rng.randrange(-(2**31), 2**31) if kind == "i32"
+        else rng.uniform(-10.0, 10.0)
+        for kind, _, _ in spec
+    ]  # fmt: skip
+    seen = []
+
+    class Spy:
+        execution_args = fn.execution_args
+
+        def run_compiled_program(self, addrs):
+            seen.append(_read_c_values(spec, addrs))
+
+    launcher.PackedLauncher(Spy(), spec)(vals)
+    dsl_objects = tuple(launcher.dsl_args(spec, vals, elem))
+    exe_args, _adapted = fn.execution_args.generate_execution_args(dsl_objects, {})
+    assert seen == [_read_c_values(spec, exe_args)]
+
+
 def test_compile_every_variant(tmp_path, monkeypatch):
     """Every compiled variant (normal and accumulate epilogue), for sm_90a, on a machine with no
     GPU; also exercises the disk cache."""
@@ -155,6 +196,7 @@ def test_compile_every_variant(tmp_path, monkeypatch):
         fn = launch.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
         times[(d, str(dt), softcap, acc)] = time.perf_counter() - t0
         assert fn is not None
+        assert_packed_launch_equals_dsl(fn, dt, acc)
         # return_max_logits and sink are runtime flags: no extra variants
     print("compile times (s):", {k: round(v, 2) for k, v in times.items()})
     # the disk cache now holds every variant: a fresh process-level cache loads them back

@@ -481,3 +481,39 @@ def test_accumulate_one_call_matches_cute_forward_and_empty_call():
     cute_forward_accumulate(q, k, v, empty, empty, None, out_acc, lse_acc, softmax_scale=None, softcap=0.0)
     torch.cuda.synchronize()
     assert _bits_equal(out_acc, o0) and _bits_equal(lse_acc, l0)
+
+
+@requires_sm90
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
+def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype):
+    """ffa_forward_stage on sm90 (FFA_BACKEND=cute: no silent fallback) over three key sets, then
+    apply_sink, equals the one-call oracle with the sink; float32 accumulators are merged by the
+    kernel's epilogue, float64 ones by torch."""
+    from ffa_kernels import apply_sink, ffa_forward_stage
+
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    tq, tk, hq, hk, d = 1000, 900, 8, 2, 128
+    calls = _three_key_sets(tq, tk, types=(1, 0, 3))
+    q = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(2, hq, device="cuda")
+    out_acc = torch.zeros(tq, hq, d, device="cuda", dtype=acc_dtype)
+    lse_acc = torch.full((tq, hq), float("-inf"), device="cuda", dtype=acc_dtype)
+    ml_acc = torch.full((hq,), float("-inf"), device="cuda", dtype=acc_dtype)
+    for qr, kr, ty in calls:
+        r = [torch.tensor(x, dtype=torch.int32, device="cuda").reshape(-1, 2) for x in (qr, kr)]
+        ty = torch.tensor(ty, dtype=torch.int32, device="cuda")
+        ffa_forward_stage(q, k, v, *r, ty, out_acc, lse_acc, softcap=10.0, max_logits_acc=ml_acc)
+    apply_sink(out_acc, lse_acc, sink, "sh")
+    slices = [s for c in calls for s in zip(*c)]
+    mask = dense_mask(
+        [list(s[0]) for s in slices], [list(s[1]) for s in slices], [s[2] for s in slices], tq, tk, "cuda"
+    )
+    o64, l64, m64 = oracle(q, k, v, mask, d**-0.5, 10.0, sink=sink)
+    olp, _, _ = oracle(q, k, v, mask, d**-0.5, 10.0, sink=sink, lowprec=True)
+    assert not torch.isnan(out_acc).any()
+    err = (out_acc.double() - o64).abs().max().item()
+    assert err <= 2 * (olp - o64).abs().max().item() + 1e-3, err
+    assert torch.allclose(lse_acc.double(), l64, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(ml_acc.double(), m64, rtol=1e-3, atol=1e-3)

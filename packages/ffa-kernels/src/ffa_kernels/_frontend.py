@@ -1,8 +1,10 @@
 """Public entry points: `flex_flash_attn_func` and the per-stage forward/backward.
 
-`flex_flash_attn_func` is built on the stage API: its forward is one `ffa_forward_stage` into
-fresh accumulators followed by `apply_sink`; its backward is one `ffa_backward_stage` with the
-final out/lse plus `sink_backward`. magi-dist calls the stages itself, once per key set, to get
+`flex_flash_attn_func` means one stage plus the sink: on the reference backend its forward is
+literally one stage into fresh accumulators followed by `apply_sink`; the CuTe kernel does the
+same in one launch (the sink seeds its softmax state). Its backward is one `ffa_backward_stage`
+with the final out/lse plus `sink_backward`. With the kernel, a stage merges into float32
+accumulators inside its epilogue. magi-dist calls the stages itself, once per key set, to get
 the same result for a mask whose keys live on several ranks.
 """
 
@@ -35,35 +37,60 @@ _NEG_INF = float("-inf")
 # ----------------------------------------------------------------------------- dispatch
 
 
+def _cute_module(args: ValidatedAttnArgs):
+    """The CuTe kernels' module when they serve this call's device and dtype, else None."""
+    if _backend.select_forward_backend(args.q.device, args.q.dtype) != _backend.CUTE:
+        return None
+    cute = _backend.load_cute()
+    assert cute is not None  # select_forward_backend checked it
+    return cute
+
+
+def _kernel_declined(exc: NotImplementedError) -> None:
+    # The kernel's way to say "this configuration is not supported": unless the user forced
+    # FFA_BACKEND=cute, the reference computes the same thing, only slower.
+    if _backend.forced_backend() == _backend.CUTE:
+        raise exc
+    _backend.log_once(
+        f"cute-unsupported-{exc}", "ffa_kernels: CuTe backend: %s; using the reference backend", exc
+    )
+
+
+def _accumulates_in_place(t: torch.Tensor | None, align: int) -> bool:
+    """Whether the kernel can merge into ``t`` itself: float32, contiguous, aligned base."""
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % align == 0)
+
+
 def _forward_stage(
     args: ValidatedAttnArgs, out_acc: torch.Tensor, lse_acc: torch.Tensor, max_logits_acc: torch.Tensor | None
 ) -> None:
-    backend = _backend.select_forward_backend(args.q.device, args.q.dtype)
-    if backend == _backend.CUTE:
-        cute = _backend.load_cute()
-        assert cute is not None  # select_forward_backend checked it
+    cute = _cute_module(args)
+    if cute is not None:
+        kw = dict(softmax_scale=args.softmax_scale, softcap=args.softcap)
+        ranges = (args.q_ranges, args.k_ranges, args.attn_type_map)
         try:
+            if (
+                _accumulates_in_place(out_acc, 16)
+                and _accumulates_in_place(lse_acc, 4)
+                and _accumulates_in_place(max_logits_acc, 4)
+            ):
+                # The kernel's epilogue merges by log-sum-exp straight into the accumulators.
+                cute.cute_forward_accumulate(
+                    args.q, args.k, args.v, *ranges, out_acc, lse_acc, max_logits_acc=max_logits_acc, **kw
+                )
+                return
             out, lse, max_logits = cute.cute_forward(
                 args.q,
                 args.k,
                 args.v,
-                args.q_ranges,
-                args.k_ranges,
-                args.attn_type_map,
-                softmax_scale=args.softmax_scale,
-                softcap=args.softcap,
+                *ranges,
                 sink=None,
                 sink_layout="sh",
                 return_max_logits=max_logits_acc is not None,
+                **kw,
             )
         except NotImplementedError as exc:
-            # The kernel's way to say "this configuration is not supported": unless the user
-            # forced FFA_BACKEND=cute, the reference computes the same thing, only slower.
-            if _backend.forced_backend() == _backend.CUTE:
-                raise
-            _backend.log_once(
-                f"cute-unsupported-{exc}", "ffa_kernels: CuTe backend: %s; using the reference backend", exc
-            )
+            _kernel_declined(exc)
         else:
             # A finished (normalised) result for this key set; the kernel writes every row (0 where
             # nothing is covered), so the lean merge applies.
@@ -72,6 +99,39 @@ def _forward_stage(
                 torch.maximum(max_logits_acc, max_logits.to(max_logits_acc.dtype), out=max_logits_acc)
             return
     reference_forward_stage(args, out_acc, lse_acc, max_logits_acc)
+
+
+def _forward_whole(
+    args: ValidatedAttnArgs, sink: torch.Tensor | None, sink_layout: str, return_max_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The whole forward of `flex_flash_attn_func`: (out, lse, max_logits) in accumulator dtype
+    (reference) or out in q's dtype (kernel; its sink goes into the softmax state directly)."""
+    cute = _cute_module(args)
+    if cute is not None:
+        try:
+            return cute.cute_forward(
+                args.q,
+                args.k,
+                args.v,
+                args.q_ranges,
+                args.k_ranges,
+                args.attn_type_map,
+                softmax_scale=args.softmax_scale,
+                softcap=args.softcap,
+                sink=sink,
+                sink_layout=sink_layout,
+                return_max_logits=return_max_logits,
+            )
+        except NotImplementedError as exc:
+            _kernel_declined(exc)
+    tq, hq, d = args.q.shape
+    dtype, dev = args.compute_dtype, args.q.device
+    out_acc = torch.zeros((tq, hq, d), dtype=dtype, device=dev)
+    lse_acc = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=dev)
+    max_acc = torch.full((hq,), _NEG_INF, dtype=dtype, device=dev) if return_max_logits else None
+    reference_forward_stage(args, out_acc, lse_acc, max_acc)
+    apply_sink(out_acc, lse_acc, sink, sink_layout)
+    return out_acc, lse_acc, max_acc
 
 
 def _backward_stage(
@@ -184,19 +244,12 @@ class _FlexFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits):  # type: ignore[override]
-        tq, hq, d = q.shape
-        dtype = args.compute_dtype
-        out_acc = torch.zeros((tq, hq, d), dtype=dtype, device=q.device)
-        lse_acc = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=q.device)
-        max_acc = torch.full((hq,), _NEG_INF, dtype=dtype, device=q.device) if return_max_logits else None
-        _forward_stage(args, out_acc, lse_acc, max_acc)
-        apply_sink(out_acc, lse_acc, sink, sink_layout)
-
-        out = out_acc.to(q.dtype)
-        lse = lse_acc.to(torch.float32)
-        max_logits = max_acc.to(torch.float32) if max_acc is not None else torch.empty(0, device=q.device)
-        # The backward uses the accumulator-precision out/lse (not the rounded q.dtype copy).
-        ctx.save_for_backward(q, k, v, sink, out_acc, lse_acc)
+        out_full, lse_full, max_full = _forward_whole(args, sink, sink_layout, return_max_logits)
+        out = out_full.to(q.dtype)
+        lse = lse_full.to(torch.float32)
+        max_logits = max_full.to(torch.float32) if max_full is not None else torch.empty(0, device=q.device)
+        # The backward uses the forward's own out/lse (accumulator precision on the reference path).
+        ctx.save_for_backward(q, k, v, sink, out_full, lse_full)
         # q, k, v travel through save_for_backward only (version checks, freed after backward);
         # keep the rest of the validated arguments with empty stand-ins for the tensors.
         none = q.new_empty(0)

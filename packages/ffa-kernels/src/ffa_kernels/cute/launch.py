@@ -14,6 +14,7 @@ import time
 import torch
 
 from .config import FwdConfig, default_config
+from .launcher import arg_spec, dsl_args, make_launcher
 from .plan import get_plan
 
 logger = logging.getLogger(__name__)
@@ -64,33 +65,12 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def _compile_args(torch_dtype, cfg: FwdConfig, accumulate: bool = False):
-    """Placeholder arguments for cute.compile: null pointers and dummy sizes (all runtime values).
-
-    accumulate: the output pointer is float32 (the accumulator) instead of the input dtype, and
-    the lse and max_logits pointers are only assumed 4-byte aligned (the caller's tensors).
-    """
-    cutlass, cute = _cutlass()
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import make_ptr
-
-    dt = _dtype_of(torch_dtype)
-    gmem = cute.AddressSpace.gmem
-    p16 = lambda t: make_ptr(t, 0, gmem, assumed_align=16)  # noqa: E731
-    args = [
-        p16(dt),
-        p16(dt),
-        p16(dt),
-        p16(cutlass.Float32) if accumulate else p16(dt),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4) if accumulate else p16(cutlass.Float32),
-        p16(cutlass.Int32),
-        p16(cutlass.Int32),
-        p16(cutlass.Float32),
-        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4) if accumulate else p16(cutlass.Float32),
-    ]
-    args += [cutlass.Int32(1)] * 6 + [cutlass.Float32(1.0)] * 3 + [cutlass.Int32(0)]
-    args.append(cuda.CUstream(0))
-    return args
+def _compile_args(torch_dtype, accumulate: bool = False):
+    """Placeholder arguments for cute.compile: null pointers and dummy sizes (all runtime values)."""
+    spec = arg_spec(accumulate)
+    placeholders = [0 if kind in ("ptr", "stream") else 1 for kind, _, _ in spec]
+    placeholders[-2] = 0  # flags
+    return dsl_args(spec, placeholders, _dtype_of(torch_dtype))
 
 
 def get_kernel(
@@ -125,9 +105,7 @@ def get_kernel(
 
         t0 = time.perf_counter()
         kernel = FFAForwardSm90(_dtype_of(torch_dtype), cfg, has_softcap, accumulate)
-        fn = cute.compile(
-            kernel, *_compile_args(torch_dtype, cfg, accumulate), options=f"--gpu-arch {_arch()}"
-        )
+        fn = cute.compile(kernel, *_compile_args(torch_dtype, accumulate), options=f"--gpu-arch {_arch()}")
         logger.info(
             "ffa_kernels: compiled sm90 forward %s (dtype=%s, hdim=%d, softcap=%s, accumulate=%s) in %.1f s",
             name,
@@ -180,34 +158,22 @@ def _sink_lse(sink, sink_layout: str, total_q: int, num_heads: int, device) -> t
 
 
 class _Runtime:
-    """Objects every launch needs, imported/built once (keeps the per-call host path short)."""
+    """What every launch needs, imported/built once (keeps the per-call host path short)."""
 
     def __init__(self):
         _cutlass()
-        import cuda.bindings.driver as cuda
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.runtime import make_ptr
-
         from .fwd_sm90 import FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
 
-        self.cuda, self.make_ptr = cuda, make_ptr
-        self.f32, self.i32 = cutlass.Float32, cutlass.Int32
-        self.gmem = cute.AddressSpace.gmem
         self.flag_sink, self.flag_ml, self.group_shift = FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
-        self.dtypes = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-        self.streams: dict[int, object] = {}
-        self.kernels: dict[tuple, object] = {}
+        self.launchers: dict[tuple, object] = {}
 
-    def ptr(self, dtype, t: torch.Tensor, align: int = 16):
-        return self.make_ptr(dtype, t.data_ptr(), self.gmem, assumed_align=align)
-
-    def stream(self, dev):
-        h = torch.cuda.current_stream(dev).cuda_stream
-        st = self.streams.get(h)
-        if st is None:
-            st = self.streams[h] = self.cuda.CUstream(h)
-        return st
+    def launcher(self, torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool):
+        key = (torch_dtype, cfg, has_softcap, accumulate)
+        fn = self.launchers.get(key)
+        if fn is None:
+            kernel = get_kernel(torch_dtype, cfg, has_softcap, accumulate=accumulate)
+            fn = self.launchers[key] = make_launcher(kernel, arg_spec(accumulate), _dtype_of(torch_dtype))
+        return fn
 
 
 _RT: _Runtime | None = None
@@ -221,6 +187,49 @@ def _runtime() -> _Runtime:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def _check_supported(q: torch.Tensor) -> None:
+    # "unsupported" is said before anything runs: the frontend then serves the call from the reference
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+
+
+def _launch(
+    rt: _Runtime, accumulate: bool, cfg: FwdConfig, q, k, v, out, lse, plan, sink_lse, max_logits,
+    softmax_scale: float, softcap: float, flags: int, head_group: int | None,
+) -> None:  # fmt: skip
+    """Fill the kernel's arguments (see launcher.arg_spec) and launch on the current stream.
+
+    sink_lse / max_logits may be None (the kernel reads them only under their flags; any valid
+    pointer of the right alignment stands in)."""
+    total_q, hq, d = q.shape
+    total_k, hk, _ = k.shape
+    has_softcap = softcap > 0.0
+    fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate)
+    # TMA and the compiled kernel assume 16-byte aligned bases
+    q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
+    if has_softcap:  # tanh(premul * s) * softcap, then exp2 with softcap * log2(e)
+        scale_log2 = softcap * _LOG2_E
+        premul = softmax_scale / softcap
+    else:
+        scale_log2 = softmax_scale * _LOG2_E
+        premul = 1.0
+    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << rt.group_shift
+    fn(
+        (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            plan.work.data_ptr(), plan.entries.data_ptr(),
+            (sink_lse if sink_lse is not None else out).data_ptr(),
+            (max_logits if max_logits is not None else lse).data_ptr(),
+            total_q, total_k, hq, hk, plan.num_work, plan.num_entries,
+            scale_log2, premul, softmax_scale, flags,
+            torch.cuda.current_stream(q.device).cuda_stream,
+        )
+    )  # fmt: skip
 
 
 def cute_forward(
@@ -240,22 +249,13 @@ def cute_forward(
     head_group: int | None = None,
 ):
     """sm90 CuTe DSL forward. Returns (out (Tq,Hq,D) q.dtype, lse f32 (Tq,Hq), max_logits f32 (Hq,) | None)."""
+    _check_supported(q)
     total_q, hq, d = q.shape
-    total_k, hk, _ = k.shape
-    # Say "unsupported" before anything runs: the frontend then serves the call from the reference.
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+    total_k = k.shape[0]
     rt = _runtime()
-    if softmax_scale is None:
-        softmax_scale = d**-0.5
+    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
     cfg = config or default_config(d)
-    has_softcap = bool(softcap) and softcap > 0.0
-    kkey = (q.dtype, cfg, has_softcap)
-    fn = rt.kernels.get(kkey)
-    if fn is None:
-        fn = rt.kernels[kkey] = get_kernel(q.dtype, cfg, has_softcap)
     dev = q.device
     plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
 
@@ -265,52 +265,29 @@ def cute_forward(
     max_logits = (
         torch.full((hq,), float("-inf"), dtype=torch.float32, device=dev) if return_max_logits else None
     )
-    flags = 0
-    if sink_lse is not None:
-        flags |= rt.flag_sink
-    if return_max_logits:
-        flags |= rt.flag_ml
-    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << rt.group_shift
     if total_q == 0:
         return out, lse, max_logits
     if plan.total_blocks == 0 or total_k == 0:  # nothing covered: no launch (and no 0-sized TMA descriptor)
         out.zero_()
         lse.copy_(sink_lse if sink_lse is not None else torch.full_like(lse, float("-inf")))
         return out, lse, max_logits
-    # TMA and the compiled kernel assume 16-byte aligned bases
-    q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
-    if has_softcap:
-        scale_log2 = float(softcap) * _LOG2_E
-        premul = float(softmax_scale) / float(softcap)
-    else:
-        scale_log2 = float(softmax_scale) * _LOG2_E
-        premul = 1.0
-
-    dt = rt.dtypes[q.dtype]
-    f32, i32 = rt.f32, rt.i32
-    if plan.ptrs is None:  # the plan's tables live as long as the plan: build their pointers once
-        plan.ptrs = (rt.ptr(i32, plan.work), rt.ptr(i32, plan.entries))
-    fn(
-        rt.ptr(dt, q),
-        rt.ptr(dt, k),
-        rt.ptr(dt, v),
-        rt.ptr(dt, out),
-        rt.ptr(f32, lse),
-        plan.ptrs[0],
-        plan.ptrs[1],
-        rt.ptr(f32, sink_lse if sink_lse is not None else lse),  # lse: any valid f32 pointer
-        rt.ptr(f32, max_logits if max_logits is not None else lse),
-        i32(total_q),
-        i32(total_k),
-        i32(hq),
-        i32(hk),
-        i32(plan.num_work),
-        i32(plan.num_entries),
-        f32(scale_log2),
-        f32(premul),
-        f32(float(softmax_scale)),
-        i32(flags),
-        rt.stream(dev),
+    flags = (rt.flag_sink if sink_lse is not None else 0) | (rt.flag_ml if return_max_logits else 0)
+    _launch(
+        rt,
+        False,
+        cfg,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        plan,
+        sink_lse,
+        max_logits,
+        softmax_scale,
+        softcap,
+        flags,
+        head_group,
     )
     return out, lse, max_logits
 
@@ -362,65 +339,40 @@ def cute_forward_accumulate(
     the sink once, outside). Several calls over disjoint key sets thus combine to the result of
     one call over their union. Returns (out_acc, lse_acc), the same tensors.
     """
+    _check_supported(q)
     total_q, hq, d = q.shape
-    total_k, hk, _ = k.shape
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+    total_k = k.shape[0]
     dev = q.device
     _check_accumulator("out_acc", out_acc, (total_q, hq, d), dev, 16)
     _check_accumulator("lse_acc", lse_acc, (total_q, hq), dev, 4)
     if max_logits_acc is not None:
         _check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev, 4)
     rt = _runtime()
-    if softmax_scale is None:
-        softmax_scale = d**-0.5
+    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
     cfg = config or default_config(d)
-    has_softcap = bool(softcap) and softcap > 0.0
-    kkey = (q.dtype, cfg, has_softcap, True)
-    fn = rt.kernels.get(kkey)
-    if fn is None:
-        fn = rt.kernels[kkey] = get_kernel(q.dtype, cfg, has_softcap, accumulate=True)
     if total_q == 0 or total_k == 0:
+        rt.launcher(q.dtype, cfg, softcap > 0.0, True)  # compile (and log) as on any other call
         return out_acc, lse_acc
     plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
     if plan.total_blocks == 0:  # nothing covered: nothing to merge
         return out_acc, lse_acc
     flags = rt.flag_ml if max_logits_acc is not None else 0
-    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << rt.group_shift
-    q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
-    if has_softcap:
-        scale_log2 = float(softcap) * _LOG2_E
-        premul = float(softmax_scale) / float(softcap)
-    else:
-        scale_log2 = float(softmax_scale) * _LOG2_E
-        premul = 1.0
-
-    dt = rt.dtypes[q.dtype]
-    f32, i32 = rt.f32, rt.i32
-    if plan.ptrs is None:
-        plan.ptrs = (rt.ptr(i32, plan.work), rt.ptr(i32, plan.entries))
-    fn(
-        rt.ptr(dt, q),
-        rt.ptr(dt, k),
-        rt.ptr(dt, v),
-        rt.ptr(f32, out_acc),
-        rt.ptr(f32, lse_acc, align=4),
-        plan.ptrs[0],
-        plan.ptrs[1],
-        rt.ptr(f32, out_acc),  # sink: unused in this mode, any valid 16-byte aligned f32 pointer
-        rt.ptr(f32, max_logits_acc if max_logits_acc is not None else lse_acc, align=4),
-        i32(total_q),
-        i32(total_k),
-        i32(hq),
-        i32(hk),
-        i32(plan.num_work),
-        i32(plan.num_entries),
-        f32(scale_log2),
-        f32(premul),
-        f32(float(softmax_scale)),
-        i32(flags),
-        rt.stream(dev),
+    _launch(
+        rt,
+        True,
+        cfg,
+        q,
+        k,
+        v,
+        out_acc,
+        lse_acc,
+        plan,
+        None,
+        max_logits_acc,
+        softmax_scale,
+        softcap,
+        flags,
+        head_group,
     )
     return out_acc, lse_acc

@@ -43,7 +43,6 @@ class FwdPlan:
     num_work: int
     num_entries: int
     total_blocks: int  # sum over work tiles of K/V blocks (per head)
-    ptrs: tuple | None = None  # launch-side cache (cute pointers to work / entries)
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
