@@ -74,7 +74,90 @@ def timed(fn, iters: int, warmup: int) -> float:
     return float(t)
 
 
-def run_size(mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log) -> None:
+def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
+    """Host microseconds per call (no synchronisation: the launch path only), then where they go
+    (cProfile of ``iters`` calls, printed by rank 0; every rank makes the calls)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        print(f"host path: {host:.1f} us per call\n{buf.getvalue()}", flush=True)
+
+
+def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
+    """Microseconds per step of the native backend's stream-ordered pieces, alone (rank 0 prints):
+    a signal to the peer plus the wait for the peer's signal; a one-block copy kernel with and
+    without its system-scope fence."""
+    from magi_comm.backends._native_kernels import launch_copy
+    from magi_comm.backends._native_layout import TaskTable, to_blocks
+
+    st = nat._backend._state
+    peer = (rank + 1) % world
+    base = [0x7FFF0000]  # signal values far above any transport's counters; zeroed again below
+    x = torch.zeros(1024, dtype=torch.int64, device=dev)
+    peer_addr = [None] * world
+    peer_addr[peer] = st.peer_addr[peer]
+    dst_rows = torch.full((1, world + 1), -1, dtype=torch.int64)
+    dst_rows[0, peer] = 0
+    bt = to_blocks(TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([1024]), dst_rows), 1, 1024).to(
+        dev
+    )
+    torch.cuda.synchronize()
+
+    def sig():
+        base[0] += 1
+        st.signal(0, peer, base[0])
+        st.wait(0, peer, base[0])
+
+    def copy_fenced():
+        launch_copy(bt, x.data_ptr(), 0, peer_addr, torch.int64, vec=2, fence=st.fence_addr, stream=st.stream)
+
+    def copy_plain():
+        launch_copy(bt, x.data_ptr(), 0, peer_addr, torch.int64, vec=2, stream=st.stream)
+
+    for name, fn in (("signal+wait", sig), ("copy 8 KiB fenced", copy_fenced), ("copy 8 KiB", copy_plain)):
+        for _ in range(5):
+            fn()
+        st.stream.synchronize()
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(st.stream)
+        for _ in range(iters):
+            fn()
+        b.record(st.stream)
+        b.synchronize()
+        if rank == 0:
+            print(f"{name:20s} {a.elapsed_time(b) / iters * 1e3:8.1f} us per step (GPU)", flush=True)
+        dist.barrier()
+    st.sig.zero_()  # leave the counters as a fresh backend would find them
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def run_size(
+    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False
+) -> None:
     """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB."""
     from magi_comm.backends._native_kernels import launch_copy
     from magi_comm.backends._native_layout import TaskTable, to_blocks
@@ -119,6 +202,12 @@ def run_size(mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log) 
     def reduce_a():
         a2a.group_reduce(part, red, outs, ins, src, dst)
 
+    if profile:
+        for name, fn in (("native cast", cast_n), ("a2av cast", cast_a), ("native reduce", reduce_n)):
+            if rank == 0:
+                print(f"== {name} {mib:.0f} MiB", flush=True)
+            host_profile(fn, rank)
+        return
     log("cast", mib, "native", timed(cast_n, iters, 3), cross)
     log("cast", mib, "a2av", timed(cast_a, iters, 3), cross)
     log("reduce", mib, "native", timed(reduce_n, iters, 3), cross)
@@ -157,6 +246,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,16,64", help="MiB sent by each rank to the others")
     ap.add_argument("--iters", type=int, default=0, help="0 = by size")
+    ap.add_argument("--signal-latency", action="store_true", help="time the native signal/copy steps alone")
+    ap.add_argument(
+        "--profile-host", action="store_true", help="host time per call and its cProfile, no timing"
+    )
     args = ap.parse_args()
     faulthandler.dump_traceback_later(int(os.environ.get("MAGI_COMM_BENCH_TIMEOUT", "240")), exit=True)
 
@@ -182,10 +275,13 @@ def main() -> int:
         if rank == 0:
             print(f"{op:7s} {mib:6.0f} MiB {name:10s} {sec * 1e6:9.1f} us {gbs:8.1f} GB/s", flush=True)
 
+    if args.signal_latency:
+        signal_latency(nat, rank, world, dev)
+        sizes = []
     for mib in sizes:
-        run_size(mib, nat, a2a, rank, world, dev, args.iters, log)
+        run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host)
 
-    if rank == 0:
+    if rank == 0 and results:
         by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
         print(f"\n## magi-comm GroupCast / GroupReduce, {world} x {torch.cuda.get_device_name()}")
         print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer\n")

@@ -1,16 +1,19 @@
 """Distributed attention forward benchmark (run with torchrun on N GPUs).
 
-    torchrun --standalone --nproc-per-node 2 tools/bench_dist.py [--totals 65536 131072]
+    torchrun --standalone --nproc-per-node 2 tools/bench_dist.py [--totals 65536 131072] [--degree N]
+    torchrun --standalone --nproc-per-node 8 tools/bench_dist.py --tokens-per-gpu 16384 \
+        --masks full,causal,varlen_full,varlen_causal,varlen_block_causal
 
-Per-GPU TFLOP/s of ``magi_dist.calc_attn`` (4·area·Hq·D / (max-rank time · cp)) for varlen causal
-and varlen full masks, beside, in the same run on the same inputs:
+Per-GPU TFLOP/s of ``magi_dist.calc_attn`` (4·area·Hq·D / (max-rank time · cp)) for the masks of
+``--masks`` (default varlen causal and varlen full), beside, in the same run on the same inputs:
   (a) the same per-GPU work without communication (each rank's stages on K/V it already has),
       and the same rows in one FFA call over all the K/V they read (single-GPU FFA on the same
       load): scaling efficiency = that time / calc_attn time;
   (b) all-gather K/V context parallelism (Llama-3 / Kvax; tools/allgather_cp.py);
   (c) PyTorch's experimental ``context_parallel`` (ring SDPA), which only expresses full/causal
       masks: it runs the plain causal/full mask of the same length (its FLOPs counted on that mask).
-Prints a markdown table on rank 0.
+Prints markdown tables on rank 0: throughput, and the K/V bytes each rank receives per forward
+against ring attention and all-gather (from the plan).
 """
 
 from __future__ import annotations
@@ -71,6 +74,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--masks",
+        default="varlen_causal,varlen_full",
+        help="comma list of full, causal, varlen_full, varlen_causal, varlen_block_causal",
+    )
+    ap.add_argument("--tokens-per-gpu", type=int, default=0, help="if > 0: one total, this many tokens x cp")
     args = ap.parse_args()
 
     dist.init_process_group("nccl")
@@ -78,20 +87,23 @@ def main() -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.group.WORLD
     rows = []
-    for total in args.totals:
+    traffic = []
+    totals = [args.tokens_per_gpu * cp] if args.tokens_per_gpu > 0 else args.totals
+    for total in totals:
         lens = long_tailed_lengths(total, max(4, total // 8192), seed=total)
         cu = cu_seqlens(lens)
-        for causal in (True, False):
-            name = f"varlen {'causal' if causal else 'full'} {total // 1024}k"
-            mask = masks.varlen(cu, causal=causal)
+        for kind in args.masks.split(","):
+            mask, causal = bench_mask(kind, total, cu)
+            name = f"{kind.replace('_', ' ')} {total // 1024}k"
             flops = 4 * mask.area() * args.hq * args.d
             cfg = DistAttnConfig(
                 dispatch_config=DispatchConfig(chunk_size=args.chunk),
                 overlap_config=OverlapConfig(degree=args.degree),
             )
-            key = md.magi_attn_varlen_key(
-                cu, cu, args.hq, args.hk, args.d, group, causal=causal, dist_attn_config=cfg
-            )
+            key = md.magi_attn_flex_key(
+                mask.q_ranges, mask.k_ranges, mask.mask_types, total, total,
+                args.hq, args.hk, args.d, group, dist_attn_config=cfg,
+            )  # fmt: skip
             g = torch.Generator(device="cuda").manual_seed(rank)
             rt = md.get_runtime(key)
             n = rt.shard_seqlen
@@ -170,6 +182,11 @@ def main() -> None:
                     rt.plan.stats.imbalance,
                 )
             )
+            stats = rt.plan.stats
+            traffic.append(
+                (name, max(stats.recv_tokens_per_rank), max(stats.ring_tokens_per_rank),
+                 max(stats.allgather_tokens_per_rank))
+            )  # fmt: skip
             md.clear_cache()
     if rank == 0:
         print(
@@ -185,7 +202,29 @@ def main() -> None:
                 f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1%} | {r[4]:.1f} | {r[5]:.1%} | {r[6]:.1f} | "
                 f"{r[7]:.1f} | {r[8]:.3f} |"
             )
+        kv_bytes = 2 * args.hk * args.d * 2  # one token's K and V rows, bf16
+        print("\nK/V bytes received per rank (max over ranks), per forward:")
+        print("| mask | magi | ring attention | all-gather | magi / ring |")
+        print("|---|---|---|---|---|")
+        for name, magi, ring, ag in traffic:
+            mib = lambda t: f"{t * kv_bytes / 2**20:.1f} MiB"  # noqa: E731
+            print(f"| {name} | {mib(magi)} | {mib(ring)} | {mib(ag)} | {magi / max(ring, 1):.1%} |")
     dist.destroy_process_group()
+
+
+def bench_mask(kind: str, total: int, cu: list[int]):
+    """(mask, causal flag for the plain-mask context_parallel peer) of a benchmark mask kind."""
+    if kind == "full":
+        return masks.full(total), False
+    if kind == "causal":
+        return masks.causal(total), True
+    if kind == "varlen_full":
+        return masks.varlen(cu), False
+    if kind == "varlen_causal":
+        return masks.varlen(cu, causal=True), True
+    if kind == "varlen_block_causal":
+        return masks.block_causal(cu, 2048), True
+    raise ValueError(f"--masks: unknown mask kind {kind!r}")
 
 
 if __name__ == "__main__":

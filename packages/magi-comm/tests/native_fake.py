@@ -157,7 +157,7 @@ def modules(world: FakeWorld) -> dict[str, types.ModuleType]:
 # kernels on raw addresses
 
 
-def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0):
+def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0, stream=None):
     w = torch.empty(0, dtype=dtype).element_size()
     W = len(peers)
     bw = table.block_words
@@ -175,7 +175,7 @@ def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0):
             ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
 
 
-def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average):
+def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
     E = out.shape[1]
     peer = term_row[(term_self == 0) & (term_row >= 0)]
     rows = int(peer.max()) + 1 if peer.numel() else 0

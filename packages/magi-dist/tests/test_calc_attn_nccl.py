@@ -1,4 +1,5 @@
-"""calc_attn over NCCL on 2 GPUs equals single-GPU attention (run on the device: pytest -m gpu)."""
+"""calc_attn over NCCL on 2 GPUs (and on all GPUs of a larger machine), with both comm backends,
+equals single-GPU attention (run on the device: pytest -m gpu)."""
 
 import pytest
 import torch
@@ -31,6 +32,14 @@ def gpu_cases() -> list[Case]:
     return out
 
 
+def _worlds() -> list[int]:
+    """2 GPUs, and every GPU of the machine when it has more (cp 4 / 8 on the larger machines)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return sorted({2, n}) if n >= 2 else [2]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_calc_attn_nccl_two_gpus():
-    spawn_gloo(2, gpu_cases(), backend="nccl")
+@pytest.mark.parametrize("comm", ["a2av", "native"])
+@pytest.mark.parametrize("world", _worlds())
+def test_calc_attn_nccl(world, comm):
+    spawn_gloo(world, gpu_cases(), env={"MAGI_COMM_BACKEND": comm}, backend="nccl")

@@ -251,6 +251,7 @@ class _GroupState:
         self.config = config
         self.refcount = 0
         self.device = _device(rt.device)
+        self.device_index = rt.device
         self.stream = torch.cuda.Stream(self.device)
         self.sent = [0] * self.world  # transfers this rank made to each peer
         self.recvd = [0] * self.world  # transfers this rank consumed from each peer
@@ -355,7 +356,7 @@ class _EventWork:
 
     __slots__ = ("device", "event")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    def __init__(self, event: torch.cuda.Event, device: int) -> None:
         self.event = event
         self.device = device
 
@@ -506,6 +507,30 @@ class NativeBackend:
             R = region_rows(st.capacity, self.world_size, rbs)
         return R
 
+    def _layout(self, plan, sink_kind: str, rbs: tuple[int, ...], ws: tuple[int, ...]):
+        """Everything a transport of this plan needs except the tensors' addresses, cached on the
+        plan: (schedule, per field: (region offset, peer addresses, word dtype, block tables, vec)).
+
+        Depends on the receive buffer (its size and address: part of the key), so a grown
+        buffer gets a fresh entry."""
+        st = self._require()
+        key = ("native-layout", sink_kind, rbs, ws, st.capacity, st.buf.data_ptr())
+        layout = plan._on_device.get(key)
+        if layout is None:
+            W, rank = self.world_size, self.rank
+            R = self._rows_per_region(rbs)
+            if st.capacity != key[4]:  # grew: the key names the old buffer
+                return self._layout(plan, sink_kind, rbs, ws)
+            sched = self._schedule(plan, R, sink_kind)
+            per_field = []
+            for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
+                peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
+                tables = self._blocks(plan, sched, sink_kind, rb, w, st.device)
+                vec = 16 // w if rb % 16 == 0 else 1
+                per_field.append((off, peers, _WORD_DTYPES[w], tables, vec))
+            layout = plan._on_device[key] = (sched, per_field)
+        return layout
+
     def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None) -> None:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
@@ -514,36 +539,41 @@ class NativeBackend:
         is no round), before the acknowledgements release the regions.
         """
         st = self._require()
-        W, rank = self.world_size, self.rank
+        W = self.world_size
         fields = [f for f in fields if f.row_bytes > 0]
         if not fields:
             if consume is not None:
                 consume()
             return
         rbs = tuple(f.row_bytes for f in fields)
-        R = self._rows_per_region(rbs)
-        sched = self._schedule(plan, R, sink_kind)
+        ws = tuple(word_size(rb, f.src, f.sink) for f, rb in zip(fields, rbs))
+        sched, per_field = self._layout(plan, sink_kind, rbs, ws)
         if consume is not None and sched.num_rounds > 1:
             raise AssertionError("fused consumption needs a single round")
-        offs = field_offsets(W, R, rbs)
         base = st.buf.data_ptr()
-        prepared = []
-        for f, rb, off in zip(fields, rbs, offs):
-            w = word_size(rb, f.src, f.sink)
-            vec = 16 // w if rb % 16 == 0 else 1
-            peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
-            tables = self._blocks(plan, sched, sink_kind, rb, w, st.device)
-            prepared.append(
-                (f.src.data_ptr(), f.sink.data_ptr(), peers, base + off, _WORD_DTYPES[w], tables, vec)
-            )
+        prepared = [
+            (f.src.data_ptr(), f.sink.data_ptr(), peers, base + off, dt, tables, vec)
+            for f, (off, peers, dt, tables, vec) in zip(fields, per_field)
+        ]
         nw = self.config.num_warps
         launch = self._kernels.launch_copy
+        stream = st.stream
         for k, rnd in enumerate(sched.rounds):
             for d in rnd.send_peers:
                 if st.sent[d] > 0:
                     st.wait(_ACK, d, st.sent[d])  # d consumed our previous transfer
             for src, sink, peers, _local, dt, tables, vec in prepared:
-                launch(tables[k][0], src, sink, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr)
+                launch(
+                    tables[k][0],
+                    src,
+                    sink,
+                    peers,
+                    dt,
+                    vec=vec,
+                    num_warps=nw,
+                    fence=st.fence_addr,
+                    stream=stream,
+                )
             for d in rnd.send_peers:
                 st.sent[d] += 1
                 st.signal(_READY, d, st.sent[d])
@@ -553,7 +583,7 @@ class NativeBackend:
                 consume()
             else:
                 for _src, sink, _peers, local, dt, tables, vec in prepared:
-                    launch(tables[k][1], local, sink, [None] * W, dt, vec=vec, num_warps=nw)
+                    launch(tables[k][1], local, sink, [None] * W, dt, vec=vec, num_warps=nw, stream=stream)
             for s in rnd.recv_peers:
                 st.recvd[s] += 1
                 st.signal(_ACK, s, st.recvd[s])
@@ -580,7 +610,7 @@ class NativeBackend:
 
     def _run(self, tensors, body, output, async_op: bool) -> GroupCollectiveWork:
         st = self._require()
-        cur = torch.cuda.current_stream(st.device)
+        cur = torch.cuda.current_stream(st.device_index)
         st.stream.wait_stream(cur)
         with torch.cuda.stream(st.stream), torch.no_grad():
             keep = body()
@@ -589,7 +619,7 @@ class NativeBackend:
         for t in tensors:
             if t is not None:
                 t.record_stream(st.stream)
-        handle = GroupCollectiveWork(output, [_EventWork(event, st.device)], None, keepalive=keep)
+        handle = GroupCollectiveWork(output, [_EventWork(event, st.device_index)], None, keepalive=keep)
         if not async_op:
             handle.wait()
         return handle
@@ -651,6 +681,7 @@ class NativeBackend:
                     nterms,
                     acc_reduce=acc_reduce,
                     average=reduce_op == "avg",
+                    stream=st.stream,
                 )
 
             self._transport(plan, SINK_NONE, [_Field(src, src)], consume=consume)
