@@ -155,6 +155,26 @@ def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
     dist.barrier()
 
 
+def trace(fn, rank: int, name: str, iters: int = 10) -> None:
+    """torch.profiler timeline (CPU and GPU) of ``iters`` calls: a table on rank 0, and Chrome
+    traces ``comm_trace_<name>_rank<r>.json`` in $OUT (or the working directory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    dist.barrier()
+    out = os.environ.get("OUT", ".")
+    prof.export_chrome_trace(os.path.join(out, f"comm_trace_{name}_rank{rank}.json"))
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+
+
 def run_size(
     mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False
 ) -> None:
@@ -207,6 +227,7 @@ def run_size(
             if rank == 0:
                 print(f"== {name} {mib:.0f} MiB", flush=True)
             host_profile(fn, rank)
+            trace(fn, rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
         return
     log("cast", mib, "native", timed(cast_n, iters, 3), cross)
     log("cast", mib, "a2av", timed(cast_a, iters, 3), cross)
