@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._native_layout import BlockTable
 
-__all__ = ["MAX_PEERS", "launch_copy", "launch_reduce", "launch_signal", "launch_wait"]
+__all__ = ["MAX_PEERS", "launch_copy", "launch_reduce"]
 
 MAX_PEERS = 8
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
@@ -281,37 +281,3 @@ def launch_reduce(
     args = (out, inp, region, term_row, term_self, nterms, n_rows, E)
     consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt)
     _reduce((grid), args, consts, 8, stream)
-
-
-# -------------------------------------------------------------------- signals as kernels
-# The alternative to NVSHMEM's on-stream signal operations ($MAGI_COMM_NATIVE_SIGNALS=kernel):
-# a one-thread release store into the peer's NVLink-mapped signal slot, and a one-program
-# acquire spin on the local slot. The copy kernel's system-scope release (FENCE) and the stream
-# order put every data store before the signal.
-
-
-@triton.jit(do_not_specialize=["value"])
-def _signal_kernel(addr, value):
-    tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value.to(tl.int64), sem="release", scope="sys")
-
-
-@triton.jit(do_not_specialize=["value"])
-def _wait_kernel(addr, value):
-    ptr = addr.to(tl.pointer_type(tl.int64))
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-    while seen < value:
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-
-
-_signal = _Compiled(_signal_kernel)
-_wait = _Compiled(_wait_kernel)
-
-
-def launch_signal(addr: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
-    """Set the int64 at ``addr`` (a peer's NVLink-mapped signal slot) to ``value`` on ``stream``."""
-    _signal((1, 1, 1), (addr, value), {}, 1, stream)
-
-
-def launch_wait(addr: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
-    """Hold ``stream`` until the local int64 at ``addr`` is >= ``value``."""
-    _wait((1, 1, 1), (addr, value), {}, 1, stream)

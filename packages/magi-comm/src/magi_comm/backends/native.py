@@ -82,7 +82,6 @@ logger = logging.getLogger(__name__)
 
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
-ENV_SIGNALS = "MAGI_COMM_NATIVE_SIGNALS"
 _MIB = 1 << 20
 _MAX_PEERS = 8
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -103,9 +102,6 @@ class NativeConfig:
             receive regions when every pair fits one region (``$MAGI_COMM_NATIVE_FUSED_REDUCE=0``
             turns it off: rows then go through the receive scratch and the shared torch
             reduction, like the staged path used for ``lse`` and for calls in rounds).
-        signals: how ready / ack signals travel: ``"nvshmem"`` (its on-stream signal set and
-            wait) or ``"kernel"`` (our one-thread release store into the peer's mapped slot
-            and an acquire spin; ``$MAGI_COMM_NATIVE_SIGNALS``).
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -113,24 +109,20 @@ class NativeConfig:
     num_warps: int = 8
     growth_factor: float = 2.0
     fused_reduce: bool = True
-    signals: str = "nvshmem"
 
     @staticmethod
     def from_env() -> NativeConfig:
         fused = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
-        signals = os.environ.get(ENV_SIGNALS, "nvshmem").strip().lower() or "nvshmem"
-        if signals not in ("nvshmem", "kernel"):
-            raise ValueError(f"${ENV_SIGNALS} must be 'nvshmem' or 'kernel', got {signals!r}")
         mb = os.environ.get(ENV_BUFFER_MB)
         if not mb:
-            return NativeConfig(fused_reduce=fused, signals=signals)
+            return NativeConfig(fused_reduce=fused)
         try:
             n = int(float(mb) * _MIB)
         except ValueError:
             raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
         if n <= 0:
             raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
-        return NativeConfig(buffer_bytes=n, fused_reduce=fused, signals=signals)
+        return NativeConfig(buffer_bytes=n, fused_reduce=fused)
 
     def aligned_buffer_bytes(self) -> int:
         return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
@@ -270,14 +262,6 @@ class _GroupState:
         nvc = rt.nvc
         self.sig = nvc.tensor((2 * self.world,), dtype=torch.int64)
         self.sig.zero_()
-        self.kernel_signals = config.signals == "kernel"
-        if self.kernel_signals:
-            from . import _native_kernels
-
-            self.launch_signal, self.launch_wait = _native_kernels.launch_signal, _native_kernels.launch_wait
-            self.sig_peer_addr = [
-                _peer_path(nvc, self.sig, rt.rank, pe).data_ptr() for pe in range(self.world)
-            ]
         self.capacity = 0
         self.buf: torch.Tensor | None = None
         self.peers: list[torch.Tensor] = []
@@ -336,10 +320,6 @@ class _GroupState:
 
     def signal(self, kind: int, pe: int, value: int) -> None:
         """Set slot ``(kind, self.rank)`` on ``pe`` to ``value`` once prior stream work is done."""
-        if self.kernel_signals:
-            offset = self._slot(kind, self.rank) - self.sig.data_ptr()
-            self.launch_signal(self.sig_peer_addr[pe] + offset, value, self.stream)
-            return
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_op_on_stream(
             self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
@@ -347,9 +327,6 @@ class _GroupState:
 
     def wait(self, kind: int, idx: int, value: int) -> None:
         """Block the stream until local slot ``(kind, idx)`` >= ``value``."""
-        if self.kernel_signals:
-            self.launch_wait(self._slot(kind, idx), value, self.stream)
-            return
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_wait_until_on_stream(
             self._slot(kind, idx), int(nvc.ComparisonType.CMP_GE), value, self.stream.cuda_stream
