@@ -175,6 +175,18 @@ def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0, 
             ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
 
 
+class CopyLaunch:
+    """The backend's per-layout launch object, over the fake `launch_copy`."""
+
+    def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0):
+        self.args = (table, peers, dtype)
+        self.kw = dict(vec=vec, num_warps=num_warps, fence=fence)
+
+    def __call__(self, src, sink, stream=None):
+        table, peers, dtype = self.args
+        launch_copy(table, src, sink, peers, dtype, **self.kw)
+
+
 def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
     E = out.shape[1]
     peer = term_row[(term_self == 0) & (term_row >= 0)]
@@ -245,7 +257,9 @@ def install(monkeypatch, world: FakeWorld) -> None:
     monkeypatch.setattr(
         native,
         "_load_kernels",
-        lambda: types.SimpleNamespace(launch_copy=launch_copy, launch_reduce=launch_reduce),
+        lambda: types.SimpleNamespace(
+            CopyLaunch=CopyLaunch, launch_copy=launch_copy, launch_reduce=launch_reduce
+        ),
     )
     monkeypatch.setattr(native, "_runtime_store", threading.local())
     monkeypatch.setattr(native._Runtime, "_lock", _PerThreadLock())

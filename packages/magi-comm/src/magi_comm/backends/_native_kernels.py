@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._native_layout import BlockTable
 
-__all__ = ["MAX_PEERS", "launch_copy", "launch_reduce"]
+__all__ = ["MAX_PEERS", "CopyLaunch", "launch_copy", "launch_reduce"]
 
 MAX_PEERS = 8
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
@@ -154,6 +154,78 @@ def args_device(args: tuple) -> int:
 _copy = _Compiled(_copy_kernel)
 
 
+class CopyLaunch:
+    """One copy-kernel launch whose block table, peer regions and options are fixed (a round of
+    a cached layout); per call only the ``src`` / ``sink`` addresses and the stream change.
+
+    Every fixed address argument is known at construction (absent peers and a missing fence
+    point at the block table, 16-byte aligned), so of Triton's specialization only the two
+    varying addresses' is left: the compiled kernel is kept per that, and launched straight
+    through its handle.
+
+    Args:
+        table: block table on the device (word offsets).
+        peers: ``W`` addresses of peer ``c``'s region area (NVLink-mapped); None where no
+            task writes.
+        dtype: the word dtype (torch.int64 / int32 / int16 / uint8).
+        vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1.
+        num_warps: warps per program.
+        fence: address of a local int32 counter; when given and a peer is written, every
+            program ends with a system-scope release on it (peer stores visible before the
+            kernel completes).
+    """
+
+    def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
+                 num_warps: int = 8, fence: int = 0) -> None:  # fmt: skip
+        W = len(peers)
+        if W > MAX_PEERS:
+            raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
+        self.num_blocks = table.num_blocks
+        # never 0: every address argument keeps the same (64-bit, aligned) specialization
+        self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
+        self.fixed = (
+            *[p or self.filler for p in peers],
+            *[self.filler] * (MAX_PEERS - W),
+            table.blk_task,
+            table.blk_start,
+            table.task_src,
+            table.task_len,
+            table.task_dst,
+            fence or self.filler,
+        )
+        self.consts = dict(
+            DT=_TL[dtype],
+            W=W,
+            BLOCK=table.block_words,
+            VEC=vec,
+            FENCE=int(bool(fence) and any(p for p in peers)),
+        )
+        self.const_values = tuple(self.consts.values())
+        self.num_warps = num_warps
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy from address ``src`` to the peers and to address ``sink`` (0: no local sink)."""
+        if self.num_blocks == 0:
+            return
+        sink = sink or self.filler
+        args = (src, sink, *self.fixed)
+        if not _copy.direct:  # the interpreter
+            _copy_kernel[(self.num_blocks,)](*args, **self.consts, num_warps=self.num_warps)
+            return
+        key = (src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
+        kernel = self.compiled.get(key)
+        if kernel is None:  # compile (or fetch from Triton's cache) and launch the regular way
+            with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
+                self.compiled[key] = _copy_kernel[(self.num_blocks,)](
+                    *args, **self.consts, num_warps=self.num_warps
+                )
+            return
+        handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
+        kernel.run(self.num_blocks, 1, 1, handle, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *self.const_values)  # fmt: skip
+
+
 def launch_copy(
     table: BlockTable,
     src: int,
@@ -166,35 +238,8 @@ def launch_copy(
     fence: int = 0,
     stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """Run the copy kernel for every block of ``table`` on ``stream`` (None: the current one).
-
-    Args:
-        table: block table on the device (word offsets).
-        src: address of the words the tasks read (input, or the local symmetric buffer area).
-        sink: address of the local sink words (column ``W``).
-        peers: ``W`` addresses of peer ``c``'s region area (NVLink-mapped); None where no
-            task writes.
-        dtype: the word dtype (torch.int64 / int32 / int16 / uint8).
-        vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1.
-        fence: address of a local int32 counter; when given and a peer is written, every
-            program ends with a system-scope release on it (peer stores visible before the
-            kernel completes).
-    """
-    W = len(peers)
-    if W > MAX_PEERS:
-        raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
-    if table.num_blocks == 0:
-        return
-    # Never pass 0: every address argument keeps the same (64-bit) specialization.
-    filler = src
-    sink = sink or filler
-    ps = [p or filler for p in peers] + [filler] * (MAX_PEERS - W)
-    args = (src, sink, *ps, table.blk_task, table.blk_start, table.task_src, table.task_len, table.task_dst,
-            fence or filler)  # fmt: skip
-    consts = dict(
-        DT=_TL[dtype], W=W, BLOCK=table.block_words, VEC=vec, FENCE=int(bool(fence) and any(p for p in peers))
-    )
-    _copy((table.num_blocks, 1, 1), args, consts, num_warps, stream)
+    """One-off `CopyLaunch` (tools and tests; the backend keeps its launches per layout)."""
+    CopyLaunch(table, peers, dtype, vec=vec, num_warps=num_warps, fence=fence)(src, sink, stream)
 
 
 @triton.jit

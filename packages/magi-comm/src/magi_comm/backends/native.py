@@ -497,6 +497,11 @@ class NativeBackend:
             plan._on_device[key] = tables
         return tables
 
+    def _blocks_on_group_stream(self, plan, sched, sink: str, row_bytes: int, w: int):
+        st = self._require()
+        with torch.cuda.stream(st.stream):
+            return self._blocks(plan, sched, sink, row_bytes, w, st.device)
+
     def _rows_per_region(self, rbs: tuple[int, ...]) -> int:
         """Rows per region for fields of ``rbs`` bytes per row; grows the buffer (collectively)
         when not even one row fits. Row sizes are the same on every rank, so is the decision."""
@@ -509,7 +514,7 @@ class NativeBackend:
 
     def _layout(self, plan, sink_kind: str, rbs: tuple[int, ...], ws: tuple[int, ...]):
         """Everything a transport of this plan needs except the tensors' addresses, cached on the
-        plan: (schedule, per field: (region offset, peer addresses, word dtype, block tables, vec)).
+        plan: (schedule, per field: (region offset, per round: (send launch, receive launch))).
 
         Depends on the receive buffer (its size and address: part of the key), so a grown
         buffer gets a fresh entry."""
@@ -523,11 +528,20 @@ class NativeBackend:
                 return self._layout(plan, sink_kind, rbs, ws)
             sched = self._schedule(plan, R, sink_kind)
             per_field = []
+            make, nw = self._kernels.CopyLaunch, self.config.num_warps
             for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
+                # tables go to the device on the group stream, ahead of the kernels reading them
                 peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
-                tables = self._blocks(plan, sched, sink_kind, rb, w, st.device)
+                dt = _WORD_DTYPES[w]
                 vec = 16 // w if rb % 16 == 0 else 1
-                per_field.append((off, peers, _WORD_DTYPES[w], tables, vec))
+                launches = [
+                    (
+                        make(send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr),
+                        make(recv, [None] * W, dt, vec=vec, num_warps=nw),
+                    )
+                    for send, recv in self._blocks_on_group_stream(plan, sched, sink_kind, rb, w)
+                ]
+                per_field.append((off, launches))
             layout = plan._on_device[key] = (sched, per_field)
         return layout
 
@@ -539,7 +553,6 @@ class NativeBackend:
         is no round), before the acknowledgements release the regions.
         """
         st = self._require()
-        W = self.world_size
         fields = [f for f in fields if f.row_bytes > 0]
         if not fields:
             if consume is not None:
@@ -552,28 +565,16 @@ class NativeBackend:
             raise AssertionError("fused consumption needs a single round")
         base = st.buf.data_ptr()
         prepared = [
-            (f.src.data_ptr(), f.sink.data_ptr(), peers, base + off, dt, tables, vec)
-            for f, (off, peers, dt, tables, vec) in zip(fields, per_field)
+            (f.src.data_ptr(), f.sink.data_ptr(), base + off, runs)
+            for f, (off, runs) in zip(fields, per_field)
         ]
-        nw = self.config.num_warps
-        launch = self._kernels.launch_copy
         stream = st.stream
         for k, rnd in enumerate(sched.rounds):
             for d in rnd.send_peers:
                 if st.sent[d] > 0:
                     st.wait(_ACK, d, st.sent[d])  # d consumed our previous transfer
-            for src, sink, peers, _local, dt, tables, vec in prepared:
-                launch(
-                    tables[k][0],
-                    src,
-                    sink,
-                    peers,
-                    dt,
-                    vec=vec,
-                    num_warps=nw,
-                    fence=st.fence_addr,
-                    stream=stream,
-                )
+            for src, sink, _local, runs in prepared:
+                runs[k][0](src, sink, stream)
             for d in rnd.send_peers:
                 st.sent[d] += 1
                 st.signal(_READY, d, st.sent[d])
@@ -582,8 +583,8 @@ class NativeBackend:
             if consume is not None:
                 consume()
             else:
-                for _src, sink, _peers, local, dt, tables, vec in prepared:
-                    launch(tables[k][1], local, sink, [None] * W, dt, vec=vec, num_warps=nw, stream=stream)
+                for _src, sink, local, runs in prepared:
+                    runs[k][1](local, sink, stream)
             for s in rnd.recv_peers:
                 st.recvd[s] += 1
                 st.signal(_ACK, s, st.recvd[s])
@@ -594,7 +595,8 @@ class NativeBackend:
         key = ("native-terms", str(device), R)
         terms = plan._on_device.get(key)
         if terms is None:
-            terms = tuple(_to_device(t, device) for t in build_reduce_terms(plan, R))
+            with torch.cuda.stream(self._require().stream):  # ahead of the kernel reading them
+                terms = tuple(_to_device(t, device) for t in build_reduce_terms(plan, R))
             plan._on_device[key] = terms
         return terms
 
@@ -608,11 +610,17 @@ class NativeBackend:
         R = self._rows_per_region((rb,))
         return R if self._schedule(plan, R, SINK_NONE).num_rounds <= 1 else 0
 
-    def _run(self, tensors, body, output, async_op: bool) -> GroupCollectiveWork:
+    def _run(self, tensors, body, output, async_op: bool, torch_ops: bool = True) -> GroupCollectiveWork:
+        """Run ``body`` on the group stream, after the caller's stream; the handle's wait orders
+        the caller's stream after it. ``torch_ops``: the body runs torch ops (they need the group
+        stream as the current one; the kernel launches and signals name it explicitly)."""
         st = self._require()
         cur = torch.cuda.current_stream(st.device_index)
         st.stream.wait_stream(cur)
-        with torch.cuda.stream(st.stream), torch.no_grad():
+        if torch_ops:
+            with torch.cuda.stream(st.stream), torch.no_grad():
+                keep = body()
+        else:
             keep = body()
         event = torch.cuda.Event()
         event.record(st.stream)
@@ -644,7 +652,8 @@ class NativeBackend:
                 output.copy_(sink)
             return (src, sink)
 
-        return self._run((input, output), body, output, async_op)
+        plain = input.is_contiguous() and output.is_contiguous()  # then no torch op runs in body
+        return self._run((input, output), body, output, async_op, torch_ops=not plain)
 
     def group_reduce(
         self,
@@ -715,7 +724,8 @@ class NativeBackend:
             return (src, src_lse)
 
         body = fused if R else staged
-        return self._run((input, output, input_lse, output_lse), body, output, async_op)
+        plain = bool(R) and input.is_contiguous() and output.is_contiguous()
+        return self._run((input, output, input_lse, output_lse), body, output, async_op, torch_ops=not plain)
 
 
 register_backend("native", NativeBackend)
