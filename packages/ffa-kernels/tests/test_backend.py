@@ -9,6 +9,7 @@ import torch
 
 from ffa_kernels import _backend, apply_sink, ffa_forward_stage, flex_flash_attn_func
 from ffa_kernels._merge import merge_lse_
+from ffa_kernels.cute.launch import accumulators_fit
 from ffa_kernels.testing import dense_attention
 
 CUDA = torch.device("cuda")
@@ -55,6 +56,7 @@ def _fake_cute(with_forward=True, calls=None):
 
         mod.cute_forward = cute_forward
         mod.cute_forward_accumulate = cute_forward_accumulate
+        mod.accumulators_fit = accumulators_fit
     return mod
 
 

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from ffa_kernels.testing import grid_slices
+
 pytestmark = pytest.mark.gpu
 
 pytest.importorskip("cutlass")
@@ -144,19 +146,7 @@ def varlen_slices(lengths, typ):
 
 
 def random_slices(rng, tq, tk, n):
-    qr, kr, ty = [], [], []
-    qcuts = sorted(rng.sample(range(1, tq), min(n, tq - 1)))
-    kcuts = sorted(rng.sample(range(1, tk), min(n, tk - 1)))
-    qb, kb = [0, *qcuts, tq], [0, *kcuts, tk]
-    for a in range(len(qb) - 1):
-        for b in range(len(kb) - 1):
-            if rng.random() < 0.4:
-                qr.append([qb[a], qb[a + 1]])
-                kr.append([kb[b], kb[b + 1]])
-                ty.append(rng.randrange(4))
-    if not qr:
-        qr, kr, ty = [[0, tq]], [[0, tk]], [0]
-    return qr, kr, ty
+    return grid_slices(rng, tq, tk, n, density=0.4)
 
 
 # ----------------------------------------------------------------------------- tests

@@ -16,6 +16,7 @@ always runs on the reference backend (logged once on CUDA).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -49,6 +50,7 @@ def reset_cache() -> None:
     """Forget the cached import of ``ffa_kernels.cute`` and the log-once memory (for tests)."""
     global _cute, _cute_error
     _cute, _cute_error = _UNSET, ""
+    _capability.cache_clear()
     _logged.clear()
 
 
@@ -78,6 +80,12 @@ def forced_backend() -> str | None:
     return value
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    # asked on every forward call; a device's capability does not change
+    return torch.cuda.get_device_capability(device)
+
+
 def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``"cute"`` or ``"reference"`` for a forward on tensors of this device and dtype."""
     forced = forced_backend()
@@ -91,7 +99,7 @@ def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
         return CUTE
     if device.type != "cuda":
         return REFERENCE
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
     if major != 9:
         log_once(
             f"cc{major}{minor}",

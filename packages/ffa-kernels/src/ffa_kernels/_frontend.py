@@ -56,11 +56,6 @@ def _kernel_declined(exc: NotImplementedError) -> None:
     )
 
 
-def _accumulates_in_place(t: torch.Tensor | None, align: int) -> bool:
-    """Whether the kernel can merge into ``t`` itself: float32, contiguous, aligned base."""
-    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % align == 0)
-
-
 def _forward_stage(
     args: ValidatedAttnArgs, out_acc: torch.Tensor, lse_acc: torch.Tensor, max_logits_acc: torch.Tensor | None
 ) -> None:
@@ -69,11 +64,7 @@ def _forward_stage(
         kw = dict(softmax_scale=args.softmax_scale, softcap=args.softcap)
         ranges = (args.q_ranges, args.k_ranges, args.attn_type_map)
         try:
-            if (
-                _accumulates_in_place(out_acc, 16)
-                and _accumulates_in_place(lse_acc, 4)
-                and _accumulates_in_place(max_logits_acc, 4)
-            ):
+            if cute.accumulators_fit(out_acc, lse_acc, max_logits_acc):
                 # The kernel's epilogue merges by log-sum-exp straight into the accumulators.
                 cute.cute_forward_accumulate(
                     args.q, args.k, args.v, *ranges, out_acc, lse_acc, max_logits_acc=max_logits_acc, **kw

@@ -22,6 +22,7 @@ __all__ = [
     "Problem",
     "dense_attention",
     "dense_mask",
+    "grid_slices",
     "random_disjoint_slices",
     "random_problem",
     "tile_config",
@@ -150,6 +151,27 @@ def random_disjoint_slices(
         qr.append(cand_q)
         kr.append(cand_k)
         types.append(t)
+    return qr, kr, types
+
+
+def grid_slices(
+    rng: random.Random, total_q: int, total_k: int, cuts: int, density: float
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Disjoint slices of random types from a grid: ``cuts`` random cuts per axis carve the
+    (q, k) plane into rectangles and each is a slice with probability ``density`` (many slices
+    share q rows and k columns). One FULL slice over everything if none is drawn.
+    Returns ``(q_ranges, k_ranges, types)`` as Python lists; needs ``total_q, total_k >= 1``."""
+    qb = [0, *sorted(rng.sample(range(1, total_q), min(cuts, total_q - 1))), total_q]
+    kb = [0, *sorted(rng.sample(range(1, total_k), min(cuts, total_k - 1))), total_k]
+    qr, kr, types = [], [], []
+    for a in range(len(qb) - 1):
+        for b in range(len(kb) - 1):
+            if rng.random() < density:
+                qr.append([qb[a], qb[a + 1]])
+                kr.append([kb[b], kb[b + 1]])
+                types.append(rng.randrange(4))
+    if not qr:
+        return [[0, total_q]], [[0, total_k]], [0]
     return qr, kr, types
 
 

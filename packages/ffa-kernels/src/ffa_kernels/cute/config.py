@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 
@@ -36,20 +38,11 @@ class FwdConfig:
         return 128 * (self.num_mma_wg + 1)
 
     def key(self) -> tuple:
-        return (
-            self.head_dim,
-            self.tile_m,
-            self.tile_n,
-            self.num_stages,
-            self.num_mma_wg,
-            self.mma_regs,
-            self.producer_regs,
-            self.intra_wg_overlap,
-            self.pingpong,
-            self.rescale_threshold,
-        )
+        """Every field, in order (the compile key part of this config)."""
+        return dataclasses.astuple(self)
 
 
+@functools.cache
 def default_config(head_dim: int) -> FwdConfig:
     """FA3-style choice: 128x128 tiles, 2 consumer warpgroups; hdim 64 gets one more K/V stage."""
     if head_dim == 64:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -13,8 +14,10 @@ import time
 
 import torch
 
+from .._sink import sink_lse
+from .._validate import check_accumulator
 from .config import FwdConfig, default_config
-from .launcher import arg_spec, dsl_args, make_launcher
+from .launcher import ACCUMULATOR_ALIGN, arg_spec, dsl_args, make_launcher
 from .plan import get_plan
 
 logger = logging.getLogger(__name__)
@@ -45,17 +48,31 @@ def _arch() -> str:
 
 def compile_key(torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False) -> tuple:
     """Everything a compiled kernel depends on; no per-call shape or range content."""
-    return ("ffa_fwd_sm90", str(torch_dtype), cfg.key(), bool(has_softcap), bool(accumulate), _arch())
+    return (
+        "ffa_fwd_sm90",
+        str(torch_dtype),
+        cfg.key(),
+        bool(has_softcap),
+        bool(accumulate),
+        repr(arg_spec(accumulate)),
+        _arch(),
+    )
 
 
+# The modules the device code is built from (fwd_sm90 and what it imports); host-only modules
+# (this one, launcher.py: its argument list is in the compile key) do not invalidate the cache.
+_KERNEL_SOURCES = ("config.py", "fwd_sm90.py", "masking.py", "mma.py", "pipeline.py", "plan.py", "softmax.py")
+
+
+@functools.cache
 def _source_hash() -> str:
     import cutlass
 
     h = hashlib.sha256()
     here = pathlib.Path(__file__).parent
-    for f in sorted(here.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
+    for name in _KERNEL_SOURCES:
+        h.update(name.encode())
+        h.update((here / name).read_bytes())
     h.update(str(getattr(cutlass, "__version__", "")).encode())
     return h.hexdigest()[:16]
 
@@ -69,7 +86,6 @@ def _compile_args(torch_dtype, accumulate: bool = False):
     """Placeholder arguments for cute.compile: null pointers and dummy sizes (all runtime values)."""
     spec = arg_spec(accumulate)
     placeholders = [0 if kind in ("ptr", "stream") else 1 for kind, _, _ in spec]
-    placeholders[-2] = 0  # flags
     return dsl_args(spec, placeholders, _dtype_of(torch_dtype))
 
 
@@ -135,8 +151,7 @@ _L2_BUDGET = 24 * 1024 * 1024
 
 def head_group_size(total_k: int, hq: int, hk: int, d: int, elem: int, override: int | None = None) -> int:
     """How many q heads run side by side (CTA order) so that their K and V stay in L2."""
-    env = os.environ.get("FFA_HEAD_GROUP")
-    g = override if override is not None else (int(env) if env else None)
+    g = override
     if g is None:
         ratio = hq // hk
         kv_bytes_per_kv_head = 2 * total_k * d * elem
@@ -146,15 +161,11 @@ def head_group_size(total_k: int, hq: int, hk: int, d: int, elem: int, override:
 
 
 def _sink_lse(sink, sink_layout: str, total_q: int, num_heads: int, device) -> torch.Tensor | None:
+    """Per-row sink log-sum-exp, float32 ``(Tq, Hq)`` contiguous (what the kernel reads), or None."""
     if sink is None:
         return None
-    s = sink.to(device=device, dtype=torch.float32)
-    if sink_layout == "sh":  # (S, Hq)
-        lse = torch.logsumexp(s, dim=0)  # (Hq,)
-        return lse.unsqueeze(0).expand(total_q, num_heads).contiguous()
-    if sink_layout == "ssh":  # (Tq, S, Hq)
-        return torch.logsumexp(s, dim=1).contiguous()
-    raise ValueError(f"unknown sink_layout {sink_layout!r}")
+    lse = sink_lse(sink.to(device=device, dtype=torch.float32), sink_layout)  # (Hq,) or (Tq, Hq)
+    return lse.expand(total_q, num_heads).contiguous()
 
 
 class _Runtime:
@@ -189,13 +200,40 @@ def _runtime() -> _Runtime:
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-def _check_supported(q: torch.Tensor) -> None:
-    # "unsupported" is said before anything runs: the frontend then serves the call from the reference
+def _prepare(q: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None):
+    """Checks and settings both entry points share: (runtime, config, softmax_scale, softcap).
+
+    "Unsupported" is said (NotImplementedError) before anything runs: the frontend then serves
+    the call from the reference backend."""
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
+    return _runtime(), config or default_config(d), softmax_scale, softcap
+
+
+def accumulators_fit(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, max_logits_acc: torch.Tensor | None
+) -> bool:
+    """Whether the accumulate kernel can merge into these tensors themselves: float32,
+    contiguous, bases aligned as ``ACCUMULATOR_ALIGN`` says."""
+    named = (("out_acc", out_acc), ("lse_acc", lse_acc), ("max_logits_acc", max_logits_acc))
+    return all(
+        t is None
+        or (t.dtype == torch.float32 and t.is_contiguous() and t.data_ptr() % ACCUMULATOR_ALIGN[name] == 0)
+        for name, t in named
+    )
+
+
+def _check_accumulator(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    check_accumulator(name, t, shape, device, torch.float32)
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (it is updated in place)")
+    if t.data_ptr() % ACCUMULATOR_ALIGN[name] != 0:
+        raise ValueError(f"{name}: data pointer must be {ACCUMULATOR_ALIGN[name]}-byte aligned")
 
 
 def _launch(
@@ -249,16 +287,10 @@ def cute_forward(
     head_group: int | None = None,
 ):
     """sm90 CuTe DSL forward. Returns (out (Tq,Hq,D) q.dtype, lse f32 (Tq,Hq), max_logits f32 (Hq,) | None)."""
-    _check_supported(q)
-    total_q, hq, d = q.shape
+    rt, cfg, softmax_scale, softcap = _prepare(q, softmax_scale, softcap, config)
+    total_q, hq, _ = q.shape
     total_k = k.shape[0]
-    rt = _runtime()
-    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
-    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
-    cfg = config or default_config(d)
     dev = q.device
-    plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
-
     out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=dev)
     sink_lse = _sink_lse(sink, sink_layout, total_q, hq, dev)
@@ -267,9 +299,13 @@ def cute_forward(
     )
     if total_q == 0:
         return out, lse, max_logits
+    plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
     if plan.total_blocks == 0 or total_k == 0:  # nothing covered: no launch (and no 0-sized TMA descriptor)
         out.zero_()
-        lse.copy_(sink_lse if sink_lse is not None else torch.full_like(lse, float("-inf")))
+        if sink_lse is not None:
+            lse.copy_(sink_lse)
+        else:
+            lse.fill_(float("-inf"))
         return out, lse, max_logits
     flags = (rt.flag_sink if sink_lse is not None else 0) | (rt.flag_ml if return_max_logits else 0)
     _launch(
@@ -290,21 +326,6 @@ def cute_forward(
         head_group,
     )
     return out, lse, max_logits
-
-
-def _check_accumulator(name: str, t: torch.Tensor, shape: tuple, device, align: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name}: must be float32, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: must be contiguous (it is updated in place)")
-    if t.data_ptr() % align != 0:
-        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
 
 
 def cute_forward_accumulate(
@@ -339,20 +360,15 @@ def cute_forward_accumulate(
     the sink once, outside). Several calls over disjoint key sets thus combine to the result of
     one call over their union. Returns (out_acc, lse_acc), the same tensors.
     """
-    _check_supported(q)
+    rt, cfg, softmax_scale, softcap = _prepare(q, softmax_scale, softcap, config)
     total_q, hq, d = q.shape
     total_k = k.shape[0]
     dev = q.device
-    _check_accumulator("out_acc", out_acc, (total_q, hq, d), dev, 16)
-    _check_accumulator("lse_acc", lse_acc, (total_q, hq), dev, 4)
+    _check_accumulator("out_acc", out_acc, (total_q, hq, d), dev)
+    _check_accumulator("lse_acc", lse_acc, (total_q, hq), dev)
     if max_logits_acc is not None:
-        _check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev, 4)
-    rt = _runtime()
-    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
-    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
-    cfg = config or default_config(d)
+        _check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev)
     if total_q == 0 or total_k == 0:
-        rt.launcher(q.dtype, cfg, softcap > 0.0, True)  # compile (and log) as on any other call
         return out_acc, lse_acc
     plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
     if plan.total_blocks == 0:  # nothing covered: nothing to merge

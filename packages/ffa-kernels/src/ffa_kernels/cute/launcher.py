@@ -25,6 +25,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+# Byte alignment the accumulate kernel assumes of the caller's accumulators (see arg_spec).
+ACCUMULATOR_ALIGN = {"out_acc": 16, "lse_acc": 4, "max_logits_acc": 4}
+
+
 def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
     """(kind, element, alignment) per argument; kind in ptr / i32 / f32 / stream; a pointer's
     element is "in" (the q/k/v dtype), "f32" or "i32".
@@ -35,17 +39,17 @@ def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
     accumulate: out is the float32 accumulator, and lse / max_logits are the caller's tensors,
     only assumed 4-byte aligned.
     """
-    loose = 4 if accumulate else 16
+    align = ACCUMULATOR_ALIGN if accumulate else dict.fromkeys(ACCUMULATOR_ALIGN, 16)
     ptrs = [
         ("ptr", "in", 16),
         ("ptr", "in", 16),
         ("ptr", "in", 16),
-        ("ptr", "f32" if accumulate else "in", 16),
-        ("ptr", "f32", loose),
+        ("ptr", "f32" if accumulate else "in", align["out_acc"]),
+        ("ptr", "f32", align["lse_acc"]),
         ("ptr", "i32", 16),
         ("ptr", "i32", 16),
         ("ptr", "f32", 16),
-        ("ptr", "f32", loose),
+        ("ptr", "f32", align["max_logits_acc"]),
     ]
     scalars = [("i32", "", 0)] * 6 + [("f32", "", 0)] * 3 + [("i32", "", 0)]
     return ptrs + scalars + [("stream", "", 0)]
@@ -121,7 +125,7 @@ def packed_matches_dsl(fn, spec, elem_dtype) -> bool:
         vals = _sentinels(spec)
         # the DSL objects own the C values the addresses point at: keep them alive while reading
         args = tuple(dsl_args(spec, vals, elem_dtype))
-        exe_args, adapted = fn.execution_args.generate_execution_args(args, {})
+        exe_args, _adapted = fn.execution_args.generate_execution_args(args, {})
         if len(exe_args) != len(spec):
             return False
         for (kind, _, _), addr, val in zip(spec, exe_args, vals):
@@ -129,7 +133,6 @@ def packed_matches_dsl(fn, spec, elem_dtype) -> bool:
             seen = _CTYPE[kind].from_address(addr).value
             if (seen != val) if kind != "f32" else abs(seen - val) > 1e-6:
                 return False
-        del args, adapted
         return callable(getattr(fn, "run_compiled_program", None))
     except Exception as exc:  # any change in the DSL's internals: use its own path
         logger.debug("ffa_kernels: packed launch unavailable (%s)", exc)

@@ -123,13 +123,3 @@ def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] = o[r, c] * row_scale[r]
-
-
-@cute.jit
-def rescale_rows_lazy(acc_O: cute.Tensor, row_scale: cute.Tensor):
-    """rescale_rows, skipped (warp-uniformly) when no row of the warp changed its max."""
-    changed = row_scale[0] != Float32(1.0)
-    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-        changed = changed | (row_scale[r] != Float32(1.0))
-    if cute.arch.vote_any_sync(changed):
-        rescale_rows(acc_O, row_scale)
