@@ -9,7 +9,6 @@ process on the same inputs. Usage (GPU machine):
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -173,12 +172,12 @@ def tflops(case: Case, sec: float) -> float:
 
 
 # ----------------------------------------------------------------------------- peers
-def run_ffa(case, q, k, v, qr, kr, ty, **kw):
+def run_ffa(q, k, v, qr, kr, ty, *, max_logits: bool = False, head_group: int | None = None):
     from ffa_kernels.cute import cute_forward
 
     def f():
         return cute_forward(q, k, v, qr, kr, ty, softmax_scale=None, softcap=0.0, sink=None, sink_layout="sh",
-                            return_max_logits=kw.get("max_logits", False))  # fmt: skip
+                            return_max_logits=max_logits, head_group=head_group)  # fmt: skip
 
     return f
 
@@ -295,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-logits", action="store_true", help="also time FFA with return_max_logits")
     ap.add_argument(
-        "--groups", default="", help="also time FFA with FFA_HEAD_GROUP=each of these (e.g. 1,2,16)"
+        "--groups", default="", help="also time FFA with each of these q-head group sizes (e.g. 1,2,16)"
     )
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -312,17 +311,16 @@ def main(argv=None):
         ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
         res = {}
         t0 = time.perf_counter()
-        ffa = run_ffa(case, q, k, v, qr, kr, ty)
+        ffa = run_ffa(q, k, v, qr, kr, ty)
         ffa()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         res["ffa_host_us"] = host_us(ffa)
         fns = {"ffa": ffa}
         for gsz in [x for x in args.groups.split(",") if x]:
-            os.environ["FFA_HEAD_GROUP"] = gsz
-            res[f"ffa[g={gsz}]"] = tflops(case, bench(ffa, args.iters))
-            del os.environ["FFA_HEAD_GROUP"]
-        ffa_ml = run_ffa(case, q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
+            grouped = run_ffa(q, k, v, qr, kr, ty, head_group=int(gsz))
+            res[f"ffa[g={gsz}]"] = tflops(case, bench(grouped, args.iters))
+        ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
         peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
         if not args.no_flex and not args.no_peers:
             peers.append(("flex", run_flex))
