@@ -105,24 +105,33 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
         print(f"host path: {host:.1f} us per call\n{buf.getvalue()}", flush=True)
 
 
+def peer_push(state, rank: int, world: int, words: int, block_words: int, dev, fenced: bool = True):
+    """A copy-kernel launch (built once) that pushes ``words`` int64 words from a source address
+    to the next rank's symmetric buffer: call it as ``launch(src_address, 0, stream)``."""
+    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends._native_layout import TaskTable, to_blocks
+
+    peer = (rank + 1) % world
+    peer_addr = [None] * world
+    peer_addr[peer] = state.peer_addr[peer]
+    dst_rows = torch.full((1, world + 1), -1, dtype=torch.int64)
+    dst_rows[0, peer] = 0
+    table = to_blocks(
+        TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([words]), dst_rows), 1, block_words
+    )
+    return CopyLaunch(table.to(dev), peer_addr, torch.int64, vec=2, fence=state.fence_addr if fenced else 0)
+
+
 def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
     """Microseconds per step of the native backend's stream-ordered pieces, alone (rank 0 prints):
     a signal to the peer plus the wait for the peer's signal; a one-block copy kernel with and
     without its system-scope fence."""
-    from magi_comm.backends._native_kernels import launch_copy
-    from magi_comm.backends._native_layout import TaskTable, to_blocks
-
     st = nat._backend._state
     peer = (rank + 1) % world
     base = [0x7FFF0000]  # signal values far above any transport's counters; zeroed again below
     x = torch.zeros(1024, dtype=torch.int64, device=dev)
-    peer_addr = [None] * world
-    peer_addr[peer] = st.peer_addr[peer]
-    dst_rows = torch.full((1, world + 1), -1, dtype=torch.int64)
-    dst_rows[0, peer] = 0
-    bt = to_blocks(TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([1024]), dst_rows), 1, 1024).to(
-        dev
-    )
+    fenced = peer_push(st, rank, world, 1024, 1024, dev)
+    plain = peer_push(st, rank, world, 1024, 1024, dev, fenced=False)
     torch.cuda.synchronize()
 
     def sig():
@@ -131,10 +140,10 @@ def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
         st.wait(0, peer, base[0])
 
     def copy_fenced():
-        launch_copy(bt, x.data_ptr(), 0, peer_addr, torch.int64, vec=2, fence=st.fence_addr, stream=st.stream)
+        fenced(x.data_ptr(), 0, st.stream)
 
     def copy_plain():
-        launch_copy(bt, x.data_ptr(), 0, peer_addr, torch.int64, vec=2, stream=st.stream)
+        plain(x.data_ptr(), 0, st.stream)
 
     for name, fn in (("signal+wait", sig), ("copy 8 KiB fenced", copy_fenced), ("copy 8 KiB", copy_plain)):
         for _ in range(5):
@@ -179,9 +188,6 @@ def run_size(
     mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False
 ) -> None:
     """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB."""
-    from magi_comm.backends._native_kernels import launch_copy
-    from magi_comm.backends._native_layout import TaskTable, to_blocks
-
     rows = int(mib * (1 << 20)) // ROW_BYTES
     cross = rows * ROW_BYTES * (world - 1)
     iters = iters or (50 if mib <= 4 else 20)
@@ -244,18 +250,13 @@ def run_size(
         peer = (rank + 1) % world
         dst_view = state.peers[peer][:nbytes]
         src_bytes = x.view(-1).view(torch.uint8)[:nbytes]
-        peer_addr = [None] * world
-        peer_addr[peer] = state.peer_addr[peer]
-        dst_rows = torch.full((1, world + 1), -1, dtype=torch.int64)
-        dst_rows[0, peer] = 0
-        table = TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([nbytes // 8]), dst_rows)
-        bt = to_blocks(table, 1, nat._backend.config.block_bytes // 8).to(dev)
+        push = peer_push(state, rank, world, nbytes // 8, nat._backend.config.block_bytes // 8, dev)
 
         def raw_copy():
             dst_view.copy_(src_bytes)
 
         def raw_kernel():
-            launch_copy(bt, src_bytes.data_ptr(), 0, peer_addr, torch.int64, vec=2, fence=state.fence_addr)
+            push(src_bytes.data_ptr(), 0, None)
 
         log("raw", mib, "copy", timed(raw_copy, iters, 3), nbytes)
         log("raw", mib, "kernel", timed(raw_kernel, iters, 3), nbytes)

@@ -37,6 +37,7 @@ class FakeWorld:
         self.box = None
         self.signals = 0
         self.waits = 0
+        self.reduces = 0  # launches of the fused reduction kernel
 
     @property
     def pe(self) -> int:
@@ -157,34 +158,29 @@ def modules(world: FakeWorld) -> dict[str, types.ModuleType]:
 # kernels on raw addresses
 
 
-def launch_copy(table, src, sink, peers, dtype, *, vec=1, num_warps=8, fence=0, stream=None):
-    w = torch.empty(0, dtype=dtype).element_size()
-    W = len(peers)
-    bw = table.block_words
-    for b in range(table.num_blocks):
-        t = int(table.blk_task[b])
-        start = int(table.blk_start[b])
-        n = min(bw, int(table.task_len[t]) - start)
-        s0 = int(table.task_src[t]) + start
-        for c in range(W + 1):
-            off = int(table.task_dst[t, c])
-            if off < 0:
-                continue
-            base = sink if c == W else peers[c]
-            assert base, f"block {b} writes column {c} without an address"
-            ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
-
-
 class CopyLaunch:
-    """The backend's per-layout launch object, over the fake `launch_copy`."""
+    """The backend's per-layout launch object: the copy kernel's reference on raw addresses."""
 
     def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0):
-        self.args = (table, peers, dtype)
-        self.kw = dict(vec=vec, num_warps=num_warps, fence=fence)
+        self.table, self.peers = table, peers
+        self.word = torch.empty(0, dtype=dtype).element_size()
 
     def __call__(self, src, sink, stream=None):
-        table, peers, dtype = self.args
-        launch_copy(table, src, sink, peers, dtype, **self.kw)
+        table, peers, w = self.table, self.peers, self.word
+        W = len(peers)
+        bw = table.block_words
+        for b in range(table.num_blocks):
+            t = int(table.blk_task[b])
+            start = int(table.blk_start[b])
+            n = min(bw, int(table.task_len[t]) - start)
+            s0 = int(table.task_src[t]) + start
+            for c in range(W + 1):
+                off = int(table.task_dst[t, c])
+                if off < 0:
+                    continue
+                base = sink if c == W else peers[c]
+                assert base, f"block {b} writes column {c} without an address"
+                ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
 
 
 def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
@@ -254,12 +250,16 @@ def install(monkeypatch, world: FakeWorld) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     monkeypatch.setattr(native, "_device", lambda index: torch.device("cpu"))
+
+    def counted_reduce(*args, **kwargs):
+        with world.cond:
+            world.reduces += 1
+        launch_reduce(*args, **kwargs)
+
     monkeypatch.setattr(
         native,
         "_load_kernels",
-        lambda: types.SimpleNamespace(
-            CopyLaunch=CopyLaunch, launch_copy=launch_copy, launch_reduce=launch_reduce
-        ),
+        lambda: types.SimpleNamespace(CopyLaunch=CopyLaunch, launch_reduce=counted_reduce),
     )
     monkeypatch.setattr(native, "_runtime_store", threading.local())
     monkeypatch.setattr(native._Runtime, "_lock", _PerThreadLock())

@@ -34,22 +34,14 @@ def _copy(use_triton: bool):
     if not use_triton:
         return apply_blocks
 
-    from magi_comm.backends._native_kernels import launch_copy
+    from magi_comm.backends._native_kernels import CopyLaunch
 
     fence = torch.zeros(4, dtype=torch.int32)
 
     def run(table, src, sink, peers, world):
         addr = [None if p is None else p.data_ptr() for p in peers]
-        launch_copy(
-            table,
-            src.data_ptr(),
-            sink.data_ptr(),
-            addr,
-            src.dtype,
-            vec=1,
-            num_warps=1,
-            fence=fence.data_ptr(),
-        )
+        launch = CopyLaunch(table, addr, src.dtype, vec=1, num_warps=1, fence=fence.data_ptr())
+        launch(src.data_ptr(), sink.data_ptr())
 
     return run
 

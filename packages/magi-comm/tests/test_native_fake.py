@@ -103,6 +103,7 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused):
     native_fake.run_ranks(fw, rank_fn)
     if world > 1:
         assert fw.signals > 0 and fw.waits > 0
+    assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
 
 
 def test_second_group_is_refused(monkeypatch):

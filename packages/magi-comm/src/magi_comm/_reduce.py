@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REDUCE_OPS", "accumulate_dtype", "reduce_lse", "reduce_sum_avg"]
+__all__ = ["REDUCE_OPS", "accumulate_dtype", "reduce_lse", "reduce_received", "reduce_sum_avg"]
 
 REDUCE_OPS = ("sum", "avg", "lse")
 
@@ -113,3 +113,30 @@ def reduce_lse(
     out = torch.where(denb > 0, num / torch.where(denb > 0, denb, 1.0), 0.0)
     output.copy_(out)
     output_lse.copy_(new_lse)
+
+
+def reduce_received(
+    output: torch.Tensor,
+    output_lse: torch.Tensor | None,
+    recv: torch.Tensor,
+    recv_lse: torch.Tensor | None,
+    idx,
+    reduce_op: str,
+    acc_reduce: bool,
+) -> None:
+    """Reduce the receive buffer (a2av layout) into ``output`` by ``reduce_op``, in place.
+
+    ``idx``: the plan's indices on the device (``slots``, ``sources_per_row``); ``output_lse`` /
+    ``recv_lse`` only for ``"lse"``.
+    """
+    if reduce_op == "lse":
+        reduce_lse(output, output_lse, recv, recv_lse, idx.slots, acc_reduce=acc_reduce)
+    else:
+        reduce_sum_avg(
+            output,
+            recv,
+            idx.slots,
+            idx.sources_per_row,
+            average=reduce_op == "avg",
+            acc_reduce=acc_reduce,
+        )

@@ -193,15 +193,14 @@ class GroupCollective:
                 _freeze(src) if dst_nested else _freeze2(src),
             )
             key = (kind, *args)
-            hash(key)
+            with self._lock:  # lookup and LRU touch race with eviction otherwise
+                plan = self._plans.get(key)  # TypeError: an unhashable element
+                if plan is not None:
+                    self._plans.move_to_end(key)
+                    return plan
         except TypeError:
             # Malformed arguments: let the builder name the culprit.
             return builder(in_sizes, out_sizes, dst, src, self.rank, self.world_size, *rows)
-        with self._lock:  # lookup and LRU touch race with eviction otherwise
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
         plan = builder(*args, self.rank, self.world_size, *rows)
         with self._lock:
             self._plans[key] = plan

@@ -21,10 +21,14 @@ installed).
 
 Launch path: Triton's ``kernel[grid](...)`` re-binds and re-specializes every argument in
 Python on every call (~20-30 µs per launch, and a collective makes two or three). `_Compiled`
-keeps the compiled kernel per specialization and launches it directly on a given stream. Its
-key mirrors Triton's own specialization rule (an int is specialized on ``== 1``, on divisibility
-by 16 and on its width; a tensor on the 16-byte alignment of its data pointer; plus the
-constexprs and launch options), so a cached kernel is only reused where Triton would reuse it.
+keeps the compiled kernel per specialization: the first launch of a specialization goes the
+regular way (compiling, or fetching from Triton's cache), later ones go straight through the
+compiled kernel's handle on the given stream. Its key mirrors Triton's own specialization rule
+(an int is specialized on ``== 1``, on divisibility by 16 and on its width; a tensor on the
+16-byte alignment of its data pointer; plus the constexprs and launch options), so a cached
+kernel is only reused where Triton would reuse it. A caller whose arguments are mostly fixed
+(`CopyLaunch`) computes that key itself: the fixed part once, per launch only the bits of the
+two varying addresses.
 """
 
 from __future__ import annotations
@@ -33,11 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._native_layout import BlockTable
+from ._native_layout import MAX_PEERS, BlockTable
 
-__all__ = ["MAX_PEERS", "CopyLaunch", "launch_copy", "launch_reduce"]
+__all__ = ["CopyLaunch", "launch_reduce"]
 
-MAX_PEERS = 8
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
 
 
@@ -124,13 +127,32 @@ class _Compiled:
         # the interpreter (TRITON_INTERPRET=1, CPU tests) has no compiled handle: plain launches
         self.direct = hasattr(jit_fn, "device_caches")
         self.cache: dict[tuple, object] = {}
+        self.variants: dict[tuple, int] = {}
 
-    def __call__(self, grid: tuple[int, int, int], args: tuple, consts: dict, num_warps: int, stream) -> None:
-        """Launch on ``stream`` (a ``torch.cuda.Stream``; None = the current stream)."""
+    def variant(self, fixed: tuple) -> int:
+        """A small int standing for ``fixed`` (the specialization of the arguments a caller
+        never changes), so that a precomputed launch key stays cheap to hash."""
+        return self.variants.setdefault(fixed, len(self.variants))
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        args: tuple,
+        consts: dict,
+        num_warps: int,
+        stream,
+        key: tuple | None = None,
+    ) -> None:
+        """Launch on ``stream`` (a ``torch.cuda.Stream``; None = the current stream).
+
+        ``key``: the specialization key of this launch when the caller computed it (it must
+        determine everything Triton specializes on, see the module docstring); None computes
+        it from the arguments."""
         if not self.direct:
             self.jit_fn[grid](*args, **consts, num_warps=num_warps)
             return
-        key = (tuple(_spec(a) for a in args), tuple(consts.values()), num_warps, args_device(args))
+        if key is None:
+            key = (tuple(_spec(a) for a in args), tuple(consts.values()), num_warps, args_device(args))
         kernel = self.cache.get(key)
         if kernel is None:  # compile (or fetch from Triton's cache) and launch the regular way
             if stream is None:
@@ -140,7 +162,8 @@ class _Compiled:
                     self.cache[key] = self.jit_fn[grid](*args, **consts, num_warps=num_warps)
             return
         handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
-        kernel[grid](*args, *consts.values(), stream=handle)
+        kernel.run(grid[0], grid[1], grid[2], handle, kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *consts.values())  # fmt: skip
 
 
 def args_device(args: tuple) -> int:
@@ -160,8 +183,7 @@ class CopyLaunch:
 
     Every fixed address argument is known at construction (absent peers and a missing fence
     point at the block table, 16-byte aligned), so of Triton's specialization only the two
-    varying addresses' is left: the compiled kernel is kept per that, and launched straight
-    through its handle.
+    varying addresses' is left to compute per launch (the launch key given to `_Compiled`).
 
     Args:
         table: block table on the device (word offsets).
@@ -180,7 +202,7 @@ class CopyLaunch:
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
-        self.num_blocks = table.num_blocks
+        self.grid = (table.num_blocks, 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
         self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
         self.fixed = (
@@ -200,46 +222,23 @@ class CopyLaunch:
             VEC=vec,
             FENCE=int(bool(fence) and any(p for p in peers)),
         )
-        self.const_values = tuple(self.consts.values())
         self.num_warps = num_warps
-        self.compiled: dict[tuple, object] = {}
+        self.variant = _copy.variant(
+            (
+                tuple(_spec(a) for a in self.fixed),
+                tuple(self.consts.values()),
+                num_warps,
+                args_device(self.fixed),
+            )
+        )
 
     def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None) -> None:
         """Copy from address ``src`` to the peers and to address ``sink`` (0: no local sink)."""
-        if self.num_blocks == 0:
+        if self.grid[0] == 0:
             return
         sink = sink or self.filler
-        args = (src, sink, *self.fixed)
-        if not _copy.direct:  # the interpreter
-            _copy_kernel[(self.num_blocks,)](*args, **self.consts, num_warps=self.num_warps)
-            return
-        key = (src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
-        kernel = self.compiled.get(key)
-        if kernel is None:  # compile (or fetch from Triton's cache) and launch the regular way
-            with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
-                self.compiled[key] = _copy_kernel[(self.num_blocks,)](
-                    *args, **self.consts, num_warps=self.num_warps
-                )
-            return
-        handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
-        kernel.run(self.num_blocks, 1, 1, handle, kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *self.const_values)  # fmt: skip
-
-
-def launch_copy(
-    table: BlockTable,
-    src: int,
-    sink: int,
-    peers: list[int | None],
-    dtype: torch.dtype,
-    *,
-    vec: int = 1,
-    num_warps: int = 8,
-    fence: int = 0,
-    stream: torch.cuda.Stream | None = None,
-) -> None:
-    """One-off `CopyLaunch` (tools and tests; the backend keeps its launches per layout)."""
-    CopyLaunch(table, peers, dtype, vec=vec, num_warps=num_warps, fence=fence)(src, sink, stream)
+        key = (self.variant, src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
+        _copy(self.grid, (src, sink, *self.fixed), self.consts, self.num_warps, stream, key=key)
 
 
 @triton.jit
@@ -325,4 +324,4 @@ def launch_reduce(
     grid = (triton.cdiv(n_rows, br), triton.cdiv(E, bc), 1)
     args = (out, inp, region, term_row, term_self, nterms, n_rows, E)
     consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt)
-    _reduce((grid), args, consts, 8, stream)
+    _reduce(grid, args, consts, 8, stream)

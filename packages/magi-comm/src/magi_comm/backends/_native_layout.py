@@ -42,7 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .._plan import _prefix
+
 __all__ = [
+    "MAX_PEERS",
     "SINK_CONCAT",
     "SINK_NONE",
     "SINK_SCATTER",
@@ -60,6 +63,8 @@ __all__ = [
     "to_blocks",
     "word_size",
 ]
+
+MAX_PEERS = 8  # ranks of one group (one NVLink node): peer columns of the copy kernel
 
 SINK_SCATTER = "scatter"  # group_cast: row q from s -> output row scatter[recv_off[s] + q]
 SINK_CONCAT = "concat"  # group_reduce: row q from s -> receive row recv_off[s] + q (a2av layout)
@@ -202,14 +207,6 @@ class Schedule:
     @property
     def num_rounds(self) -> int:
         return len(self.rounds)
-
-
-def _prefix(counts) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
 
 
 def build_schedule(plan, rows_per_region: int, sink: str) -> Schedule:

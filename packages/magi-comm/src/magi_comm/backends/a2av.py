@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._plan import CastPlan, ReducePlan
-from .._reduce import reduce_lse, reduce_sum_avg
+from .._reduce import reduce_received
 from ..work import GroupCollectiveWork
 from . import register_backend
 
@@ -112,17 +112,7 @@ class A2AVBackend:
                 works.append(self._all_to_all(recv_lse, send_lse, plan, async_op))
 
         def post() -> None:
-            if reduce_op == "lse":
-                reduce_lse(output, output_lse, recv, recv_lse, idx.slots, acc_reduce=acc_reduce)
-            else:
-                reduce_sum_avg(
-                    output,
-                    recv,
-                    idx.slots,
-                    idx.sources_per_row,
-                    average=reduce_op == "avg",
-                    acc_reduce=acc_reduce,
-                )
+            reduce_received(output, output_lse, recv, recv_lse, idx, reduce_op, acc_reduce)
 
         handle = GroupCollectiveWork(output, works, post, keepalive=(send, recv, send_lse, recv_lse))
         if not async_op:

@@ -59,10 +59,11 @@ import torch
 import torch.distributed as dist
 
 from .._plan import CastPlan, ReducePlan
-from .._reduce import reduce_lse, reduce_sum_avg
+from .._reduce import reduce_received
 from ..work import GroupCollectiveWork
 from . import BackendUnavailableError, register_backend
 from ._native_layout import (
+    MAX_PEERS,
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
@@ -83,7 +84,6 @@ logger = logging.getLogger(__name__)
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
 _MIB = 1 << 20
-_MAX_PEERS = 8
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _READY, _ACK = 0, 1
 
@@ -251,7 +251,6 @@ class _GroupState:
         self.config = config
         self.refcount = 0
         self.device = _device(rt.device)
-        self.device_index = rt.device
         self.stream = torch.cuda.Stream(self.device)
         self.sent = [0] * self.world  # transfers this rank made to each peer
         self.recvd = [0] * self.world  # transfers this rank consumed from each peer
@@ -367,14 +366,12 @@ class _EventWork:
 
 @dataclass
 class _Field:
-    """One tensor moved by a call: ``src`` rows (contiguous) land in ``sink`` rows (contiguous)."""
+    """One tensor moved by a call: ``src`` rows (contiguous) land in ``sink`` rows (contiguous),
+    ``row_bytes`` (:func:`_row_bytes` of ``src``, computed once per call) bytes each."""
 
     src: torch.Tensor
     sink: torch.Tensor
-
-    @property
-    def row_bytes(self) -> int:
-        return _row_bytes(self.src)
+    row_bytes: int
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -401,8 +398,8 @@ class NativeBackend:
     def __init__(self, group, rank: int, world_size: int, config: NativeConfig | None = None) -> None:
         if not torch.cuda.is_available():
             raise _unavailable("CUDA is not available in this process")
-        if world_size > _MAX_PEERS:
-            raise _unavailable(f"world size {world_size} > {_MAX_PEERS} (one NVLink node)")
+        if world_size > MAX_PEERS:
+            raise _unavailable(f"world size {world_size} > {MAX_PEERS} (one NVLink node)")
         self._kernels = _load_kernels()
         self.group = group
         self.rank = rank
@@ -480,28 +477,6 @@ class NativeBackend:
                 )
         return sched
 
-    def _blocks(self, plan, sched, sink: str, row_bytes: int, w: int, device):
-        """Per round: (send BlockTable, recv BlockTable) on ``device`` for one field."""
-        block_words = max(1, self.config.block_bytes // w)
-        key = ("native-blocks", str(device), sched.region_rows, sink, row_bytes, w, block_words)
-        tables = plan._on_device.get(key)
-        if tables is None:
-            rw = row_bytes // w
-            tables = [
-                (
-                    to_blocks(r.send, rw, block_words).to(device, _to_device),
-                    to_blocks(r.recv, rw, block_words).to(device, _to_device),
-                )
-                for r in sched.rounds
-            ]
-            plan._on_device[key] = tables
-        return tables
-
-    def _blocks_on_group_stream(self, plan, sched, sink: str, row_bytes: int, w: int):
-        st = self._require()
-        with torch.cuda.stream(st.stream):
-            return self._blocks(plan, sched, sink, row_bytes, w, st.device)
-
     def _rows_per_region(self, rbs: tuple[int, ...]) -> int:
         """Rows per region for fields of ``rbs`` bytes per row; grows the buffer (collectively)
         when not even one row fits. Row sizes are the same on every rank, so is the decision."""
@@ -529,19 +504,24 @@ class NativeBackend:
             sched = self._schedule(plan, R, sink_kind)
             per_field = []
             make, nw = self._kernels.CopyLaunch, self.config.num_warps
-            for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
-                # tables go to the device on the group stream, ahead of the kernels reading them
-                peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
-                dt = _WORD_DTYPES[w]
-                vec = 16 // w if rb % 16 == 0 else 1
-                launches = [
-                    (
-                        make(send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr),
-                        make(recv, [None] * W, dt, vec=vec, num_warps=nw),
-                    )
-                    for send, recv in self._blocks_on_group_stream(plan, sched, sink_kind, rb, w)
-                ]
-                per_field.append((off, launches))
+            # block tables go to the device on the group stream, ahead of the kernels reading them
+            with torch.cuda.stream(st.stream):
+                for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
+                    block_words = max(1, self.config.block_bytes // w)
+                    peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
+                    dt = _WORD_DTYPES[w]
+                    vec = 16 // w if rb % 16 == 0 else 1
+                    launches = []
+                    for r in sched.rounds:
+                        send = to_blocks(r.send, rb // w, block_words).to(st.device, _to_device)
+                        recv = to_blocks(r.recv, rb // w, block_words).to(st.device, _to_device)
+                        launches.append(
+                            (
+                                make(send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr),
+                                make(recv, [None] * W, dt, vec=vec, num_warps=nw),
+                            )
+                        )
+                    per_field.append((off, launches))
             layout = plan._on_device[key] = (sched, per_field)
         return layout
 
@@ -600,11 +580,11 @@ class NativeBackend:
             plan._on_device[key] = terms
         return terms
 
-    def _fused_reduce_ok(self, plan, input: torch.Tensor, reduce_op: str) -> int:
-        """Rows per region when the fused reduction applies to this call, else 0."""
+    def _fused_reduce_ok(self, plan, input: torch.Tensor, rb: int, reduce_op: str) -> int:
+        """Rows per region when the fused reduction applies to this call (``input`` has rows of
+        ``rb`` bytes), else 0."""
         if not self.config.fused_reduce or reduce_op == "lse":
             return 0
-        rb = _row_bytes(input)
         if rb == 0 or input.dim() < 1:
             return 0
         R = self._rows_per_region((rb,))
@@ -615,7 +595,7 @@ class NativeBackend:
         the caller's stream after it. ``torch_ops``: the body runs torch ops (they need the group
         stream as the current one; the kernel launches and signals name it explicitly)."""
         st = self._require()
-        cur = torch.cuda.current_stream(st.device_index)
+        cur = torch.cuda.current_stream(st.device.index)
         st.stream.wait_stream(cur)
         if torch_ops:
             with torch.cuda.stream(st.stream), torch.no_grad():
@@ -627,7 +607,7 @@ class NativeBackend:
         for t in tensors:
             if t is not None:
                 t.record_stream(st.stream)
-        handle = GroupCollectiveWork(output, [_EventWork(event, st.device_index)], None, keepalive=keep)
+        handle = GroupCollectiveWork(output, [_EventWork(event, st.device.index)], None, keepalive=keep)
         if not async_op:
             handle.wait()
         return handle
@@ -647,7 +627,7 @@ class NativeBackend:
                 if output.is_contiguous()
                 else torch.empty_like(output, memory_format=torch.contiguous_format)
             )
-            self._transport(plan, SINK_SCATTER, [_Field(src, sink)])
+            self._transport(plan, SINK_SCATTER, [_Field(src, sink, _row_bytes(src))])
             if sink is not output:
                 output.copy_(sink)
             return (src, sink)
@@ -671,7 +651,8 @@ class NativeBackend:
         self._check_device(input, output, input_lse, output_lse)
         st = self._require()
 
-        R = self._fused_reduce_ok(plan, input, reduce_op)
+        rb = _row_bytes(input)
+        R = self._fused_reduce_ok(plan, input, rb, reduce_op)
 
         def fused():
             # Terms are read where they lie: own rows in the input, peer rows in the regions.
@@ -693,7 +674,7 @@ class NativeBackend:
                     stream=st.stream,
                 )
 
-            self._transport(plan, SINK_NONE, [_Field(src, src)], consume=consume)
+            self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume)
             if out is not output:
                 output.copy_(out)
             return (src, out)
@@ -702,25 +683,15 @@ class NativeBackend:
             # Rows land in a receive scratch laid out like a2av's; the shared torch reduction follows.
             src = input.contiguous()
             recv = st.scratch_rows("data", plan.num_recv_rows, output)
-            fields = [_Field(src, recv)]
+            fields = [_Field(src, recv, rb)]
             src_lse = recv_lse = None
             if reduce_op == "lse":
                 src_lse = input_lse.contiguous()
                 recv_lse = st.scratch_rows("lse", plan.num_recv_rows, input_lse)
-                fields.append(_Field(src_lse, recv_lse))
+                fields.append(_Field(src_lse, recv_lse, _row_bytes(src_lse)))
             self._transport(plan, SINK_CONCAT, fields)
             idx = plan.indices_on(output.device)
-            if reduce_op == "lse":
-                reduce_lse(output, output_lse, recv, recv_lse, idx.slots, acc_reduce=acc_reduce)
-            else:
-                reduce_sum_avg(
-                    output,
-                    recv,
-                    idx.slots,
-                    idx.sources_per_row,
-                    average=reduce_op == "avg",
-                    acc_reduce=acc_reduce,
-                )
+            reduce_received(output, output_lse, recv, recv_lse, idx, reduce_op, acc_reduce)
             return (src, src_lse)
 
         body = fused if R else staged
