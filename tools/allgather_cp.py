@@ -3,6 +3,12 @@
 Q is dispatched zigzag (rank i holds chunks i and 2*cp-1-i of each pair of rounds); every rank
 all-gathers the whole K/V and runs one kernel call over its rows against the global keys.
 Forward only; communication is (cp-1)/cp of K/V per rank whatever the mask.
+
+Each rank gathers ``[K; V]`` stacked along rows, so the gathered buffer is
+``[K_0; V_0; K_1; V_1; ...]`` (``shard`` rows each). The kernel reads K from ``buf[:-shard]`` and V
+from ``buf[shard:]``: two contiguous views of one buffer in which row ``2*r*shard + i`` is K of
+rank r's row i in the first and V of the same row in the second. One collective, and no copy of
+the gathered K/V on any call.
 """
 
 from __future__ import annotations
@@ -27,11 +33,10 @@ class AllGatherCP:
         )
         plan = make_plan(mask, cp, cfg)
         self.plan = plan
-        self.rank_chunks = [r.host_chunks for r in plan.ranks]
-        cs = plan.chunk_size
-        # rows: this rank's local rows; columns: global (padded) tokens in rank-major gathered order
-        gathered_pos = [t for r in range(cp) for t in plan.position_ids(r)]
-        col_of = {t: i for i, t in enumerate(gathered_pos)}
+        cs, shard = plan.chunk_size, plan.shard_seqlen
+        # rows: this rank's local rows; columns: the row of each global (padded) token's K in the
+        # gathered [K_0; V_0; K_1; V_1; ...] buffer
+        col_of = {t: 2 * r * shard + i for r in range(cp) for i, t in enumerate(plan.position_ids(r))}
         q_r, k_r, ty = [], [], []
         for pos, c in enumerate(plan.ranks[rank].host_chunks):
             for b in mask.bands():
@@ -51,8 +56,6 @@ class AllGatherCP:
                         k_r.append((ks, ke))
                         ty.append(t)
         self.q_ranges, self.k_ranges, self.types = q_r, k_r, ty
-        self.positions = plan.position_ids(rank)
-        self.area = plan.ranks[rank].area
         self._dev = None
 
     def _tensors(self, device):
@@ -65,17 +68,11 @@ class AllGatherCP:
             )
         return self._dev
 
-    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
-        pad = self.plan.padded_seqlen - x.shape[0]
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
-        return x[torch.tensor(self.positions, device=x.device)]
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cp = dist.get_world_size(self.group)
-        kv = torch.cat([k, v], dim=-1)
+        shard = k.shape[0]
+        kv = torch.cat([k, v])
         full = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))
         dist.all_gather_into_tensor(full, kv, group=self.group)
-        d = q.shape[-1]
         qr, kr, ty = self._tensors(q.device)
-        return flex_flash_attn_func(q, full[..., :d], full[..., d:], qr, kr, ty)[0]
+        return flex_flash_attn_func(q, full[:-shard], full[shard:], qr, kr, ty)[0]

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 
 import torch
 import torch.distributed as dist
 
 import magi_dist as md
-from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig, masks
+from ffa_kernels import ffa_forward_stage, flex_flash_attn_func
+from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig, make_plan, masks
 
 sys.path.insert(0, os.path.dirname(__file__))
 from allgather_cp import AllGatherCP
@@ -115,8 +115,6 @@ def main() -> None:
             t_magi = timeit(lambda: md.calc_attn(q, k, v, key), args.iters, group)  # noqa: B023
 
             # (a) the same stages with K/V already in place: one call per stage on local K/V sized buffers
-            from ffa_kernels import ffa_forward_stage
-
             stage_inputs = []
             for st, calc in zip(
                 [rt.host_tensors(q.device), *rt.remote_tensors(q.device)],
@@ -139,9 +137,6 @@ def main() -> None:
 
             # (a') the same rows in ONE kernel call over [local; remote] K/V (the degree-0 plan of
             # the same dispatch): single-GPU FFA on this rank's load, the strict efficiency reference
-            from ffa_kernels import flex_flash_attn_func
-            from magi_solver import make_plan
-
             one = make_plan(mask, cp, cfg.model_copy(update={"overlap_config": OverlapConfig(degree=0)}))
             calc = one.ranks[rank].calc.remote[0]
             as_t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda").reshape(-1, 2)  # noqa: E731
@@ -228,5 +223,4 @@ def bench_mask(kind: str, total: int, cu: list[int]):
 
 
 if __name__ == "__main__":
-    random.seed(0)
     main()

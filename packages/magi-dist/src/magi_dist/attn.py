@@ -43,7 +43,7 @@ def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int):
 
 def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor, stage: int):
     """Begin summing stage ``stage``'s partial ``[dK; dV]`` rows into their owners' ``out``."""
-    a = rt.kv_cast_args(stage).to_group_reduce()
+    a = rt.kv_reduce_args(stage)
     return group_reduce(
         partial,
         out,
@@ -103,7 +103,8 @@ def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, sof
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulators are float32, float64 for float64 inputs (the CPU reference path)."""
+    """Accumulators are float32, float64 for float64 inputs (the CPU reference path): the
+    ``compute_dtype`` of ffa_kernels' validated arguments, which the stage calls accumulate in."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -143,12 +144,11 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
     dev = q.device
     f32 = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=f32, device=dev)
-    dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
-    dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
     kv = torch.cat([k, v]) if n else None
-    dkv_remote = torch.zeros((2 * tk, hk, d), dtype=f32, device=dev)  # owners' sums of remote [dK; dV]
+    # owners' sums of the remote [dK; dV] (only when there are remote stages)
+    dkv_remote = torch.zeros((2 * tk, hk, d), dtype=f32, device=dev) if n else None
     reduces = []
     pending = _start_cast(rt, kv, 0) if n else None
     if rt.me.calc.kv_concat:
@@ -172,10 +172,11 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
             scale,
             softcap,
         )
-        dk += dk_all[:tk]
-        dv += dv_all[:tk]
+        dk, dv = dk_all[:tk], dv_all[:tk]  # the local rows' gradients, summed in place below
         reduces.append(_start_reduce(rt, torch.cat([dk_all[tk:], dv_all[tk:]]), dkv_remote, 0))
     else:
+        dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
+        dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap)
         for t in range(n):
             work, buf = pending
@@ -184,10 +185,11 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
             dkv_t = torch.zeros(buf.shape, dtype=f32, device=dev)  # [dK; dV] of the stage buffer
             _bwd_stage(dout, q, *_halves(buf), out, lse, remote[t], dq, *_halves(dkv_t), scale, softcap)
             reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
-    for w in reduces:  # fixed order: the float32 sums are deterministic
-        w.wait()
-    dk += dkv_remote[:tk]
-    dv += dkv_remote[tk:]
+    if n:
+        for w in reduces:  # fixed order: the float32 sums are deterministic
+            w.wait()
+        dk += dkv_remote[:tk]
+        dv += dkv_remote[tk:]
     return dq, dk, dv
 
 

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from magi_solver import DistAttnConfig, DistAttnPlan, GroupCastArgs, RankPlan, StageCalc, make_plan
+from magi_solver import (
+    DistAttnConfig,
+    DistAttnPlan,
+    GroupCastArgs,
+    GroupReduceArgs,
+    RankPlan,
+    StageCalc,
+    make_plan,
+)
 
 if TYPE_CHECKING:
     from magi_dist.key import DistAttnRuntimeKey
@@ -92,6 +100,11 @@ class DistAttnRuntime:
             )
 
         return self._cached(f"kv_cast_{stage}", None, make)
+
+    def kv_reduce_args(self, stage: int) -> GroupReduceArgs:
+        """Group-reduce arguments of stage ``stage`` for ``[dK; dV]``: the transpose of
+        :meth:`kv_cast_args`."""
+        return self._cached(f"kv_reduce_{stage}", None, lambda: self.kv_cast_args(stage).to_group_reduce())
 
     def comm_device(self) -> torch.device:
         """Device of tensors the group's backend moves (CUDA for NCCL, CPU otherwise)."""

@@ -11,7 +11,7 @@ import faulthandler
 import os
 import tempfile
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import magi_dist as md
 from ffa_kernels import flex_flash_attn_func
 from magi_comm import close_default_collectives
+from magi_dist.attn import ENV_DSINK_REDUCE
 from magi_solver import AttnMask, DispatchConfig, DistAttnConfig, OverlapConfig
 
 
@@ -44,7 +45,6 @@ class Case:
     max_logits: bool = True
     seed: int = 0
     tol: float = 1e-9
-    extra: dict = field(default_factory=dict)
 
     @staticmethod
     def from_mask(name: str, mask: AttnMask, **kw) -> Case:
@@ -138,7 +138,7 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     if sink is not None:
         if case.sink == "sh":  # each rank holds the gradient of its rows (MAGI_DIST_DSINK_REDUCE=none)
             total = lsink.grad.clone()
-            if os.environ.get("MAGI_DIST_DSINK_REDUCE", "none") == "none":
+            if os.environ.get(ENV_DSINK_REDUCE, "none") == "none":
                 dist.all_reduce(total, group=group)
             errs["dsink"] = err(total, ref_sink.grad)
         else:
