@@ -71,59 +71,66 @@ class Case:
         self.area = area_of(q_ranges, k_ranges, types)
 
 
+T8, T32 = 8192, 32768
+
+
+def dense_case(name: str, heads: int, d: int, causal: bool) -> Case:
+    """Full or causal attention over one 8k sequence (MHA)."""
+    return Case(name, T8, heads, heads, d, [[0, T8]], [[0, T8]], [int(causal)],
+                fa4=dict(causal=causal), sdpa=dict(causal=causal),
+                flex=dict(kind="causal" if causal else "full"))  # fmt: skip
+
+
+def varlen_case(name: str, hq: int, hk: int, lens: list[int], causal: bool) -> Case:
+    """Packed 32k documents of lengths ``lens``, each full or causal within itself."""
+    cu = cu_from(lens)
+    n = len(lens)
+    qr = [[cu[i], cu[i + 1]] for i in range(n)]
+    return Case(name, T32, hq, hk, 128, qr, qr, [int(causal)] * n,
+                fa4=dict(cu=cu, causal=causal), flex=dict(kind="doc", cu=cu, causal=causal))  # fmt: skip
+
+
+def swa_case() -> Case:
+    w = 1024
+    return Case("sliding-window causal 8k w1024", T8, 16, 16, 128, [[0, w], [w, T8]], [[0, w], [0, T8]],
+                [1, 3], fa4=dict(causal=True, window=(w, 0)), flex=dict(kind="swa", w=w))  # fmt: skip
+
+
+def block_causal_case() -> Case:
+    cu = cu_from(doc_lengths(T32, 12, 4))
+    blk = 2048
+    qr, kr = [], []
+    for i in range(12):
+        s, e = cu[i], cu[i + 1]
+        for b0 in range(s, e, blk):
+            b1 = min(b0 + blk, e)
+            qr.append([b0, b1])
+            kr.append([s, b1])
+    return Case("varlen block-causal 32k b2048", T32, 16, 16, 128, qr, kr, [0] * len(qr),
+                flex=dict(kind="blockcausal", cu=cu, blk=blk))  # fmt: skip
+
+
+CASES = {  # name -> builder; make_cases keeps this order whatever the order of the names asked for
+    "full8k": lambda: dense_case("full 8k", 16, 128, causal=False),
+    "causal8k": lambda: dense_case("causal 8k", 16, 128, causal=True),
+    "full8k_d64": lambda: dense_case("full 8k d64 32h", 32, 64, causal=False),
+    "causal8k_d64": lambda: dense_case("causal 8k d64 32h", 32, 64, causal=True),
+    "varlen_causal32k": lambda: varlen_case(
+        "varlen causal 32k/12", 16, 16, doc_lengths(T32, 12, 0), causal=True
+    ),
+    "varlen_full32k": lambda: varlen_case(
+        "varlen full 32k/12", 16, 16, doc_lengths(T32, 12, 1), causal=False
+    ),
+    "gqa_varlen_causal32k": lambda: varlen_case(
+        "GQA 64:8 varlen causal 32k", 64, 8, doc_lengths(T32, 24, 2, max_frac=0.25), causal=True
+    ),
+    "swa8k": swa_case,
+    "block_causal32k": block_causal_case,
+}
+
+
 def make_cases(names):
-    cases = []
-    T8 = 8192
-    T32 = 32768
-    if "full8k" in names:
-        cases.append(Case("full 8k", T8, 16, 16, 128, [[0, T8]], [[0, T8]], [0],
-                          fa4=dict(causal=False), sdpa=dict(causal=False), flex=dict(kind="full")))  # fmt: skip
-    if "causal8k" in names:
-        cases.append(Case("causal 8k", T8, 16, 16, 128, [[0, T8]], [[0, T8]], [1],
-                          fa4=dict(causal=True), sdpa=dict(causal=True), flex=dict(kind="causal")))  # fmt: skip
-    if "full8k_d64" in names:
-        cases.append(Case("full 8k d64 32h", T8, 32, 32, 64, [[0, T8]], [[0, T8]], [0],
-                          fa4=dict(causal=False), sdpa=dict(causal=False), flex=dict(kind="full")))  # fmt: skip
-    if "causal8k_d64" in names:
-        cases.append(Case("causal 8k d64 32h", T8, 32, 32, 64, [[0, T8]], [[0, T8]], [1],
-                          fa4=dict(causal=True), sdpa=dict(causal=True), flex=dict(kind="causal")))  # fmt: skip
-    if "varlen_causal32k" in names:
-        lens = doc_lengths(T32, 12, 0)
-        cu = cu_from(lens)
-        qr = [[cu[i], cu[i + 1]] for i in range(12)]
-        cases.append(Case("varlen causal 32k/12", T32, 16, 16, 128, qr, qr, [1] * 12,
-                          fa4=dict(cu=cu, causal=True), flex=dict(kind="doc", cu=cu, causal=True)))  # fmt: skip
-    if "varlen_full32k" in names:
-        lens = doc_lengths(T32, 12, 1)
-        cu = cu_from(lens)
-        qr = [[cu[i], cu[i + 1]] for i in range(12)]
-        cases.append(Case("varlen full 32k/12", T32, 16, 16, 128, qr, qr, [0] * 12,
-                          fa4=dict(cu=cu, causal=False), flex=dict(kind="doc", cu=cu, causal=False)))  # fmt: skip
-    if "gqa_varlen_causal32k" in names:
-        lens = doc_lengths(T32, 24, 2, max_frac=0.25)
-        cu = cu_from(lens)
-        n = len(lens)
-        qr = [[cu[i], cu[i + 1]] for i in range(n)]
-        cases.append(Case("GQA 64:8 varlen causal 32k", T32, 64, 8, 128, qr, qr, [1] * n,
-                          fa4=dict(cu=cu, causal=True), flex=dict(kind="doc", cu=cu, causal=True)))  # fmt: skip
-    if "swa8k" in names:
-        w = 1024
-        cases.append(Case("sliding-window causal 8k w1024", T8, 16, 16, 128, [[0, w], [w, T8]], [[0, w], [0, T8]],
-                          [1, 3], fa4=dict(causal=True, window=(w, 0)), flex=dict(kind="swa", w=w)))  # fmt: skip
-    if "block_causal32k" in names:
-        lens = doc_lengths(T32, 12, 4)
-        cu = cu_from(lens)
-        blk = 2048
-        qr, kr = [], []
-        for i in range(12):
-            s, e = cu[i], cu[i + 1]
-            for b0 in range(s, e, blk):
-                b1 = min(b0 + blk, e)
-                qr.append([b0, b1])
-                kr.append([s, b1])
-        cases.append(Case("varlen block-causal 32k b2048", T32, 16, 16, 128, qr, kr, [0] * len(qr),
-                          flex=dict(kind="blockcausal", cu=cu, blk=blk)))  # fmt: skip
-    return cases
+    return [make() for name, make in CASES.items() if name in names]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -280,6 +287,64 @@ def run_flex(case, q, k, v):
 
 
 # ----------------------------------------------------------------------------- main
+def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
+    """Time FFA and the peers on one case: ``(results, seconds of FFA's first call)``. The case's
+    tensors (and the closures holding them) die with this frame."""
+    torch.manual_seed(0)
+    q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype)
+    k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
+    v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
+    qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
+    kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
+    ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+    res = {}
+    t0 = time.perf_counter()
+    ffa = run_ffa(q, k, v, qr, kr, ty)
+    ffa()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    res["ffa_host_us"] = host_us(ffa)
+    fns = {"ffa": ffa}
+    for gsz in [x for x in args.groups.split(",") if x]:
+        grouped = run_ffa(q, k, v, qr, kr, ty, head_group=int(gsz))
+        res[f"ffa[g={gsz}]"] = tflops(case, bench(grouped, args.iters))
+    ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
+    peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
+    if not args.no_flex and not args.no_peers:
+        peers.append(("flex", run_flex))
+    for name, mk in peers:
+        try:
+            f = mk(case, q, k, v)
+            res[name] = None
+            if f is None:
+                continue
+            f()
+            fns[name] = f
+            if name == "fa4":
+                res["fa4_host_us"] = host_us(f)
+            if name == "fa4" and args.check:
+                o_ref = f()
+                o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
+                o_ref = o_ref.reshape(case.total, case.hq, case.d)
+                o_ffa = ffa()[0]
+                res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
+        except Exception as exc:  # a peer failing must not stop the table
+            print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            res[name] = None
+    # Rounds that time every library in turn: clock and thermal drift over the run hit all of
+    # them alike (timing one library after another favoured whichever ran first). Median.
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, f in fns.items():
+            times[name].append(bench(f, args.iters))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    for name, ts in times.items():
+        res[name] = tflops(case, med(ts))
+    if ffa_ml is not None:
+        res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
+    return res, first
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -302,61 +367,9 @@ def main(argv=None):
     print(f"device: {dev}; torch {torch.__version__}; dtype {args.dtype}", flush=True)
     rows = []
     for case in make_cases(args.cases.split(",")):
-        torch.manual_seed(0)
-        q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype)
-        k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
-        v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
-        qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
-        kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
-        ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
-        res = {}
-        t0 = time.perf_counter()
-        ffa = run_ffa(q, k, v, qr, kr, ty)
-        ffa()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        res["ffa_host_us"] = host_us(ffa)
-        fns = {"ffa": ffa}
-        for gsz in [x for x in args.groups.split(",") if x]:
-            grouped = run_ffa(q, k, v, qr, kr, ty, head_group=int(gsz))
-            res[f"ffa[g={gsz}]"] = tflops(case, bench(grouped, args.iters))
-        ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
-        peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
-        if not args.no_flex and not args.no_peers:
-            peers.append(("flex", run_flex))
-        for name, mk in peers:
-            try:
-                f = mk(case, q, k, v)
-                res[name] = None
-                if f is None:
-                    continue
-                f()
-                fns[name] = f
-                if name == "fa4":
-                    res["fa4_host_us"] = host_us(f)
-                if name == "fa4" and args.check:
-                    o_ref = f()
-                    o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
-                    o_ref = o_ref.reshape(case.total, case.hq, case.d)
-                    o_ffa = ffa()[0]
-                    res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
-            except Exception as exc:  # a peer failing must not stop the table
-                print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                res[name] = None
-        # Rounds that time every library in turn: clock and thermal drift over the run hit all of
-        # them alike (timing one library after another favoured whichever ran first). Median.
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, f in fns.items():
-                times[name].append(bench(f, args.iters))
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        for name, ts in times.items():
-            res[name] = tflops(case, med(ts))
-        if ffa_ml is not None:
-            res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
+        res, first = bench_case(case, args, dtype)
+        torch.cuda.empty_cache()  # give the finished case's memory back before the next one
         rows.append((case, res, first))
-        del q, k, v
-        torch.cuda.empty_cache()
         fmt = lambda x: "   n/a" if x is None else f"{x:6.1f}"  # noqa: E731
         ratio = res["ffa"] / res["fa4"] if res.get("fa4") else None
         print(
