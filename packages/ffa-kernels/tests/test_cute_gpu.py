@@ -507,3 +507,64 @@ def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype):
     assert err <= 2 * (olp - o64).abs().max().item() + 1e-3, err
     assert torch.allclose(lse_acc.double(), l64, rtol=1e-3, atol=1e-3)
     assert torch.allclose(ml_acc.double(), m64, rtol=1e-3, atol=1e-3)
+
+
+@requires_sm90
+@pytest.mark.parametrize("layout", ["sh", "ssh"])
+def test_whole_forward_uses_the_kernel(monkeypatch, layout):
+    """ffa_forward on sm90 (FFA_BACKEND=cute): one kernel call with the sink inside, out in bf16,
+    lse and max_logits float32, equal to the float64 oracle within the low-precision error."""
+    from ffa_kernels import ffa_forward
+
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    tq, tk, hq, hk, d = 1000, 900, 8, 2, 128
+    calls = _three_key_sets(tq, tk, types=(1, 0, 3))
+    slices = [s for c in calls for s in zip(*c)]
+    q = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(*((2, hq) if layout == "sh" else (tq, 2, hq)), device="cuda")
+    qr = torch.tensor([list(s[0]) for s in slices], dtype=torch.int32, device="cuda")
+    kr = torch.tensor([list(s[1]) for s in slices], dtype=torch.int32, device="cuda")
+    ty = torch.tensor([s[2] for s in slices], dtype=torch.int32, device="cuda")
+    poison_allocator(tq * hq * d * 2)
+    out, lse, ml = ffa_forward(q, k, v, qr, kr, ty, sink=sink, sink_layout=layout, softcap=10.0,
+                               return_max_logits=True)  # fmt: skip
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and ml.dtype == torch.float32
+    mask = dense_mask(qr.tolist(), kr.tolist(), ty.tolist(), tq, tk, "cuda")
+    o64, l64, m64 = oracle(q, k, v, mask, d**-0.5, 10.0, sink, layout)
+    olp, _, _ = oracle(q, k, v, mask, d**-0.5, 10.0, sink, layout, lowprec=True)
+    err = (out.double() - o64).abs().max().item()
+    assert err <= 2 * (olp - o64).abs().max().item() + 1e-3, err
+    assert torch.allclose(lse.double(), l64, rtol=1e-3, atol=1e-3)
+    assert torch.allclose(ml.double(), m64, rtol=1e-3, atol=1e-3)
+
+
+@requires_sm90
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_packed_kv_read_in_place(monkeypatch, accumulate):
+    """K/V as views kv[:, 0] / kv[:, 1] of a (Tk, 2, Hk, D) tensor (rows 2*Hk*D apart): the kernel
+    reads them in place and gives bitwise the result of contiguous copies."""
+    from ffa_kernels import ffa_forward, ffa_forward_stage
+
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    tq, tk, hq, hk, d = 700, 900, 8, 2, 128
+    calls = _three_key_sets(tq, tk, types=(1, 0, 3))
+    slices = [s for c in calls for s in zip(*c)]
+    q = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(tk, 2, hk, d, device="cuda", dtype=torch.bfloat16)
+    qr = torch.tensor([list(s[0]) for s in slices], dtype=torch.int32, device="cuda")
+    kr = torch.tensor([list(s[1]) for s in slices], dtype=torch.int32, device="cuda")
+    ty = torch.tensor([s[2] for s in slices], dtype=torch.int32, device="cuda")
+    results = []
+    for k, v in ((kv[:, 0], kv[:, 1]), (kv[:, 0].contiguous(), kv[:, 1].contiguous())):
+        if accumulate:
+            out = torch.zeros(tq, hq, d, device="cuda")
+            lse = torch.full((tq, hq), float("-inf"), device="cuda")
+            ffa_forward_stage(q, k, v, qr, kr, ty, out, lse)
+        else:
+            poison_allocator(tq * hq * d * 2)
+            out, lse, _ = ffa_forward(q, k, v, qr, kr, ty)
+        results.append((out, lse))
+    assert not torch.isnan(results[0][0]).any()
+    assert _bits_equal(results[0][0], results[1][0]) and _bits_equal(results[0][1], results[1][1])

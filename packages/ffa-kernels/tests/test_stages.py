@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ffa_kernels import (
     apply_sink,
     ffa_backward_stage,
+    ffa_forward,
     ffa_forward_stage,
     flex_flash_attn_func,
     merge_lse_,
@@ -89,6 +90,58 @@ def test_stages_sum_to_one_call(rng, num_stages, softcap, sink_layout, tiny_tile
     if sink is not None:
         dsink = sink_backward(sink.detach(), layout, out_acc, dout, lse_acc)
         torch.testing.assert_close(dsink, grads[3], atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rng=st.randoms(use_true_random=False),
+    sink_layout=st.sampled_from([None, "sh", "ssh"]),
+    softcap=st.sampled_from([0.0, 2.0]),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+)
+def test_whole_forward_equals_stage_and_sink(rng, sink_layout, softcap, dtype):
+    """ffa_forward (one key set, sink inside, no autograd) = ffa_forward_stage + apply_sink, with
+    out in q's dtype and lse / max_logits in the accumulator precision."""
+    p = random_problem(rng, max_slices=6)
+    q, k, v = (x.to(dtype) for x in (p.q, p.k, p.v))
+    tq, hq, d = q.shape
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    sink = None
+    if sink_layout is not None:
+        sink = torch.randn(*((2, hq) if sink_layout == "sh" else (tq, 2, hq)), generator=gen)
+    layout = sink_layout or "sh"
+    out, lse, ml = ffa_forward(
+        q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, sink=sink, sink_layout=layout, softcap=softcap,
+        return_max_logits=True,
+    )  # fmt: skip
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    out_acc, lse_acc = _fresh_acc(tq, hq, d, acc)
+    max_acc = torch.full((hq,), NEG_INF, dtype=acc)
+    ffa_forward_stage(q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, out_acc, lse_acc, softcap=softcap,
+                      max_logits_acc=max_acc)  # fmt: skip
+    apply_sink(out_acc, lse_acc, sink, layout)
+    assert out.dtype == dtype and lse.dtype == acc and ml.dtype == acc
+    torch.testing.assert_close(out, out_acc.to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_acc, atol=0, rtol=0)
+    torch.testing.assert_close(ml, max_acc, atol=0, rtol=0)
+    # and the public one-call function agrees
+    ref, meta = flex_flash_attn_func(
+        q, k, v, p.q_ranges, p.k_ranges, p.attn_type_map, sink=sink, sink_layout=layout, softcap=softcap
+    )
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse.float(), meta.lse)
+
+
+def test_whole_forward_rejects_bad_sink_and_flag():
+    q = torch.randn(8, 2, 16)
+    k = v = torch.randn(8, 2, 16)
+    r = _int32([[0, 8]])
+    with pytest.raises(ValueError, match="sink"):
+        ffa_forward(q, k, v, r, r, sink=torch.randn(3, 5))
+    with pytest.raises(TypeError, match="return_max_logits"):
+        ffa_forward(q, k, v, r, r, return_max_logits="yes")
+    out, lse, ml = ffa_forward(q, k, v, r, r)
+    assert ml is None and out.shape == q.shape and lse.shape == (8, 2)
 
 
 @pytest.mark.parametrize("split", [1, 5, 9, 12])

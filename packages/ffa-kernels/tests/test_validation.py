@@ -235,3 +235,27 @@ def test_range_checks_are_cached_by_identity_and_version():
         assert len(calls) == 2
     finally:
         _validate._check_ranges_uncached = real
+
+
+def test_packed_kv_rows_are_read_in_place():
+    """K/V views whose rows stand apart (kv[:, 0], kv[:, 1] of a (Tk, 2, Hk, D) tensor) pass
+    validation without a copy and give the same result as contiguous K/V; other strides
+    (non-contiguous heads) are copied."""
+    from ffa_kernels._validate import validate_attn_args
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(12, 4, 8, generator=g)
+    kv = torch.randn(10, 2, 2, 8, generator=g)
+    r_q = torch.tensor([[0, 12]], dtype=torch.int32)
+    r_k = torch.tensor([[0, 10]], dtype=torch.int32)
+    args = validate_attn_args(q, kv[:, 0], kv[:, 1], r_q, r_k, None, None, 0.0)
+    assert args.k.data_ptr() == kv.data_ptr() and args.v.data_ptr() == kv[:, 1].data_ptr()
+    heads_apart = torch.randn(10, 2, 2, 8, generator=g)[:, :, 0]  # (Tk, Hk, D), heads 2*D apart
+    assert heads_apart.stride(1) == 16
+    args = validate_attn_args(q, heads_apart, heads_apart, r_q, r_k, None, None, 0.0)
+    assert args.k.is_contiguous()
+    ty = torch.tensor([1], dtype=torch.int32)
+    out, meta = flex_flash_attn_func(q, kv[:, 0], kv[:, 1], r_q, r_k, ty)
+    ref, ref_meta = flex_flash_attn_func(q, kv[:, 0].contiguous(), kv[:, 1].contiguous(), r_q, r_k, ty)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(meta.lse, ref_meta.lse, atol=0, rtol=0)

@@ -29,7 +29,7 @@ from ._validate import (
     validate_attn_args,
 )
 
-__all__ = ["ffa_backward_stage", "ffa_forward_stage", "flex_flash_attn_func"]
+__all__ = ["ffa_backward_stage", "ffa_forward", "ffa_forward_stage", "flex_flash_attn_func"]
 
 _NEG_INF = float("-inf")
 
@@ -181,6 +181,40 @@ def ffa_forward_stage(
     if max_logits_acc is not None:
         check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev)
     _forward_stage(args, out_acc, lse_acc, max_logits_acc)
+
+
+def ffa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None = None,
+    *,
+    sink: torch.Tensor | None = None,
+    sink_layout: str = "sh",
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    return_max_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The whole forward of one key set, sink included, without autograd.
+
+    The same result as `flex_flash_attn_func`'s forward, for callers that run their own
+    backward (magi-dist with a single stage): the kernel writes ``out`` in q's dtype directly,
+    with no float32 accumulators to allocate, merge into and convert.
+
+    Args: as `flex_flash_attn_func`.
+
+    Returns:
+        ``(out, lse, max_logits)``: out ``(Tq, Hq, D)`` in q's dtype; lse ``(Tq, Hq)`` after sink
+        and max_logits ``(Hq,)`` (or None) in float32, float64 for float64 inputs on the
+        reference backend (the precision `ffa_backward_stage` then gets back).
+    """
+    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    sink = check_sink(sink, sink_layout, args.q)
+    check_bool("return_max_logits", return_max_logits)
+    out, lse, max_logits = _forward_whole(args, sink, sink_layout, return_max_logits)
+    return out.to(args.q.dtype), lse, max_logits
 
 
 def ffa_backward_stage(

@@ -36,7 +36,8 @@ class ValidatedAttnArgs:
     """Normalised attention arguments (contiguous tensors, defaults resolved).
 
     Attributes:
-        q, k, v: contiguous ``(Tq, Hq, D)``, ``(Tk, Hk, D)``, ``(Tk, Hk, D)``.
+        q, k, v: ``(Tq, Hq, D)`` contiguous, ``(Tk, Hk, D)``, ``(Tk, Hk, D)`` with contiguous
+            rows (rows may stand apart: packed K/V).
         q_ranges, k_ranges: contiguous int32 ``(N, 2)`` on q's device.
         attn_type_map: contiguous int32 ``(N,)`` on q's device (all FULL when None was given).
         slices: host copy, one ``(qs, qe, ks, ke, type)`` tuple of ints per slice.
@@ -94,9 +95,20 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Ten
         raise ValueError(f"head_dim mismatch: q has {d}, k/v have {k.shape[2]}")
     if hq % hk != 0:
         raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hk})")
-    # Contiguity is not needed by the reference math, but the kernels and our views assume it;
-    # copying here is never wrong, whereas a wrong stride assumption would be.
-    return q.contiguous(), k.contiguous(), v.contiguous()
+    # The kernels and our views assume contiguous q and dense rows of K/V; copying is never
+    # wrong, whereas a wrong stride assumption would be. K/V rows may stand apart (packed K/V,
+    # e.g. kv[:, 0] and kv[:, 1] of a (Tk, 2, Hk, D) tensor): the kernel reads those in place.
+    return q.contiguous(), _dense_rows(k), _dense_rows(v)
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when each row's ``(H, D)`` block is contiguous (rows any distance apart),
+    else a contiguous copy."""
+    _, h, d = t.shape
+    st = t.stride()
+    if st[2] == 1 and (st[1] == d or h == 1) and st[0] >= h * d:
+        return t
+    return t.contiguous()
 
 
 def _check_index_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:

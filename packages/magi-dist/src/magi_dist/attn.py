@@ -2,7 +2,8 @@
 
 Forward: the host stage computes on local K/V while stage 0's remote K/V is group-cast; each
 remote stage's K/V is prefetched while the previous stage computes; partials merge by log-sum-exp
-in float32. Backward: reuses the saved out/lse, re-casts each stage's K/V, computes dq locally and
+in float32. A rank whose rows see one key set (overlap degree 0: all remote K/V first, then one
+call over ``[local; remote]``) makes one plain kernel call, sink included. Backward: reuses the saved out/lse, re-casts each stage's K/V, computes dq locally and
 group-reduces each stage's partial dK/dV to their owners while the next stage computes.
 """
 
@@ -13,7 +14,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from ffa_kernels import AttnForwardMeta, apply_sink, ffa_backward_stage, ffa_forward_stage, sink_backward
+from ffa_kernels import (
+    AttnForwardMeta,
+    apply_sink,
+    ffa_backward_stage,
+    ffa_forward,
+    ffa_forward_stage,
+    sink_backward,
+)
 from magi_comm import group_cast, group_reduce
 from magi_dist.key import DistAttnRuntimeKey, get_runtime
 from magi_dist.runtime import DistAttnRuntime, StageTensors
@@ -22,12 +30,23 @@ ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 
 
-def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int):
-    """Begin receiving stage ``stage``'s remote K/V; ``kv`` is ``[K; V]`` stacked along rows
-    ``(2*T, Hk, D)``, and so is the returned buffer ``(2*R, Hk, D)``: both halves stay contiguous,
-    so no stage copies K or V apart. Returns ``(work, buffer)``."""
-    a = rt.kv_cast_args(stage)
-    buf = kv.new_empty((a.num_recv_tokens, *kv.shape[1:]))
+def _pack(k: torch.Tensor, v: torch.Tensor, extra_rows: int = 0) -> torch.Tensor:
+    """Each token's K and V rows side by side, ``(T + extra_rows, 2, Hk, D)``, the first T rows
+    filled: one row per token is what the group-cast moves, and the kernels read ``kv[:, 0]`` /
+    ``kv[:, 1]`` in place (packed K/V), so received rows are never copied apart or together."""
+    t = k.shape[0]
+    kv = k.new_empty((t + extra_rows, 2, *k.shape[1:]))
+    kv[:t, 0] = k
+    kv[:t, 1] = v
+    return kv
+
+
+def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int, buf: torch.Tensor | None = None):
+    """Begin receiving stage ``stage``'s remote K/V rows of ``kv`` ``(T, 2, Hk, D)`` into ``buf``
+    (a new ``(R, 2, Hk, D)`` tensor when None). Returns ``(work, buf)``."""
+    a = rt.cast_args[stage]
+    if buf is None:
+        buf = kv.new_empty((a.num_recv_tokens, *kv.shape[1:]))
     work = group_cast(
         kv,
         buf,
@@ -42,7 +61,7 @@ def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int):
 
 
 def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor, stage: int):
-    """Begin summing stage ``stage``'s partial ``[dK; dV]`` rows into their owners' ``out``."""
+    """Begin summing stage ``stage``'s partial ``[dK, dV]`` rows into their owners' ``out``."""
     a = rt.kv_reduce_args(stage)
     return group_reduce(
         partial,
@@ -58,9 +77,14 @@ def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor,
     )
 
 
-def _halves(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = kv.shape[0] // 2
-    return kv[:n], kv[n:]
+def _concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Degree 0: ``[local; remote]`` K/V rows in one packed ``(T + R, 2, Hk, D)`` tensor, the
+    remote rows cast straight into its tail (waited for)."""
+    t = k.shape[0]
+    kv = _pack(k, v, rt.cast_args[0].num_recv_tokens)
+    work, _ = _start_cast(rt, kv[:t], 0, kv[t:])
+    work.wait()
+    return kv
 
 
 def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
@@ -108,7 +132,27 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
+def _single_stage(q, k, v, st: StageTensors, sink, sink_layout, scale, softcap, want_max):
+    """The forward of a rank whose rows see one key set (degree 0, or no remote keys): one
+    kernel call with the sink inside, output written in q's dtype (no float32 accumulators)."""
+    return ffa_forward(
+        q,
+        k,
+        v,
+        st.q_ranges,
+        st.k_ranges,
+        st.attn_types,
+        sink=sink,
+        sink_layout=sink_layout,
+        softmax_scale=scale,
+        softcap=softcap,
+        return_max_logits=want_max,
+    )
+
+
+def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
+    """Host stage on local K/V, then each remote stage as its K/V arrive (the next one
+    prefetched meanwhile), merged into float32 accumulators; the sink is applied once at the end."""
     tq, hq, d = q.shape
     dev = q.device
     acc = _acc_dtype(q)
@@ -117,26 +161,35 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     ml = torch.full((hq,), float("-inf"), dtype=acc, device=dev) if want_max else None
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
-    kv = torch.cat([k, v]) if n else None
+    kv = _pack(k, v) if n else None
     pending = _start_cast(rt, kv, 0) if n else None
-    if rt.me.calc.kv_concat:
+    _fwd_stage(q, k, v, rt.host_tensors(dev), out, lse, ml, scale, softcap)
+    for t in range(n):
         work, buf = pending
         work.wait()
-        kb, vb = _halves(buf)
-        _fwd_stage(q, torch.cat([k, kb]), torch.cat([v, vb]), remote[0], out, lse, ml, scale, softcap)
-    else:
-        _fwd_stage(q, k, v, rt.host_tensors(dev), out, lse, ml, scale, softcap)
-        for t in range(n):
-            work, buf = pending
-            work.wait()
-            pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-            _fwd_stage(q, *_halves(buf), remote[t], out, lse, ml, scale, softcap)
+        pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
+        _fwd_stage(q, buf[:, 0], buf[:, 1], remote[t], out, lse, ml, scale, softcap)
     apply_sink(out, lse, sink, sink_layout)
+    return out.to(q.dtype), lse, ml
+
+
+def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
+    dev = q.device
+    host = rt.host_tensors(dev)
+    single = (sink, sink_layout, scale, softcap, want_max)
+    if rt.me.calc.kv_concat and not rt.remote_tensors(dev)[0].empty:
+        kv = _concat_kv(rt, k, v)
+        out, lse, ml = _single_stage(q, kv[:, 0], kv[:, 1], rt.remote_tensors(dev)[0], *single)
+    elif not rt.cast_args and not host.empty:
+        out, lse, ml = _single_stage(q, k, v, host, *single)
+    else:
+        # several stages, or nothing to compute (then every row is the sink's alone)
+        out, lse, ml = _staged(rt, q, k, v, *single)
     if ml is not None:
         red = ml.to(rt.comm_device())
         dist.all_reduce(red, op=dist.ReduceOp.MAX, group=rt.group)
         ml = red.to(dev)
-    return out.to(q.dtype), lse, None if ml is None else ml.float()
+    return out, lse, None if ml is None else ml.float()
 
 
 def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
@@ -146,35 +199,18 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
     dq = torch.zeros(q.shape, dtype=f32, device=dev)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
-    kv = torch.cat([k, v]) if n else None
-    # owners' sums of the remote [dK; dV] (only when there are remote stages)
-    dkv_remote = torch.zeros((2 * tk, hk, d), dtype=f32, device=dev) if n else None
+    # owners' sums of the remote [dK, dV] rows (only when there are remote stages)
+    dkv_remote = torch.zeros((tk, 2, hk, d), dtype=f32, device=dev) if n else None
     reduces = []
-    pending = _start_cast(rt, kv, 0) if n else None
     if rt.me.calc.kv_concat:
-        work, buf = pending
-        work.wait()
-        kb, vb = _halves(buf)
-        rows = tk + kb.shape[0]
-        dk_all = torch.zeros((rows, hk, d), dtype=f32, device=dev)
-        dv_all = torch.zeros((rows, hk, d), dtype=f32, device=dev)
-        _bwd_stage(
-            dout,
-            q,
-            torch.cat([k, kb]),
-            torch.cat([v, vb]),
-            out,
-            lse,
-            remote[0],
-            dq,
-            dk_all,
-            dv_all,
-            scale,
-            softcap,
-        )
-        dk, dv = dk_all[:tk], dv_all[:tk]  # the local rows' gradients, summed in place below
-        reduces.append(_start_reduce(rt, torch.cat([dk_all[tk:], dv_all[tk:]]), dkv_remote, 0))
+        kv = _concat_kv(rt, k, v)
+        dkv = torch.zeros(kv.shape, dtype=f32, device=dev)
+        _bwd_stage(dout, q, kv[:, 0], kv[:, 1], out, lse, remote[0], dq, dkv[:, 0], dkv[:, 1], scale, softcap)
+        dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
+        reduces.append(_start_reduce(rt, dkv[tk:], dkv_remote, 0))
     else:
+        kv = _pack(k, v) if n else None
+        pending = _start_cast(rt, kv, 0) if n else None
         dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap)
@@ -182,14 +218,27 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
             work, buf = pending
             work.wait()
             pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-            dkv_t = torch.zeros(buf.shape, dtype=f32, device=dev)  # [dK; dV] of the stage buffer
-            _bwd_stage(dout, q, *_halves(buf), out, lse, remote[t], dq, *_halves(dkv_t), scale, softcap)
+            dkv_t = torch.zeros(buf.shape, dtype=f32, device=dev)  # [dK, dV] of the stage buffer
+            _bwd_stage(
+                dout,
+                q,
+                buf[:, 0],
+                buf[:, 1],
+                out,
+                lse,
+                remote[t],
+                dq,
+                dkv_t[:, 0],
+                dkv_t[:, 1],
+                scale,
+                softcap,
+            )
             reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
     if n:
         for w in reduces:  # fixed order: the float32 sums are deterministic
             w.wait()
-        dk += dkv_remote[:tk]
-        dv += dkv_remote[tk:]
+        dk += dkv_remote[:, 0]
+        dv += dkv_remote[:, 1]
     return dq, dk, dv
 
 

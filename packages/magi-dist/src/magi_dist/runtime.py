@@ -86,25 +86,10 @@ class DistAttnRuntime:
     def cast_args(self) -> list[GroupCastArgs]:
         return self.me.comm.stages
 
-    def kv_cast_args(self, stage: int) -> GroupCastArgs:
-        """Group-cast arguments of stage ``stage`` for ``[K; V]`` stacked along rows: every split
-        twice, K's then V's, which keeps API.md's pairing order on both sides."""
-
-        def make() -> GroupCastArgs:
-            a = self.cast_args[stage]
-            return GroupCastArgs(
-                input_split_sizes=a.input_split_sizes * 2,
-                output_split_sizes=a.output_split_sizes * 2,
-                dst_indices=a.dst_indices * 2,
-                src_index=a.src_index * 2,
-            )
-
-        return self._cached(f"kv_cast_{stage}", None, make)
-
     def kv_reduce_args(self, stage: int) -> GroupReduceArgs:
-        """Group-reduce arguments of stage ``stage`` for ``[dK; dV]``: the transpose of
-        :meth:`kv_cast_args`."""
-        return self._cached(f"kv_reduce_{stage}", None, lambda: self.kv_cast_args(stage).to_group_reduce())
+        """Group-reduce arguments of stage ``stage``'s partial ``[dK, dV]`` rows: the transpose of
+        its group-cast."""
+        return self._cached(f"kv_reduce_{stage}", None, lambda: self.cast_args[stage].to_group_reduce())
 
     def comm_device(self) -> torch.device:
         """Device of tensors the group's backend moves (CUDA for NCCL, CPU otherwise)."""

@@ -83,8 +83,8 @@ class FFAForwardSm90:
     def __call__(
         self,
         ptr_q: cute.Pointer,  # (Tq, Hq, D) contiguous
-        ptr_k: cute.Pointer,  # (Tk, Hk, D) contiguous
-        ptr_v: cute.Pointer,  # (Tk, Hk, D) contiguous
+        ptr_k: cute.Pointer,  # (Tk, Hk, D), rows kv_row_stride elements apart, heads contiguous
+        ptr_v: cute.Pointer,  # (Tk, Hk, D), the same strides as K
         ptr_o: cute.Pointer,  # (Tq, Hq, D) contiguous; dtype (normal) or f32 accumulator (accumulate)
         ptr_lse: cute.Pointer,  # (Tq, Hq) f32 (accumulate: read and merged in place)
         ptr_work: cute.Pointer,  # (W, 4) i32
@@ -97,6 +97,7 @@ class FFAForwardSm90:
         num_heads_k: Int32,
         num_work: Int32,
         num_entries: Int32,
+        kv_row_stride: Int32,  # elements between K (and V) rows: Hk * D, or more for packed K/V
         scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
         softmax_scale: Float32,
@@ -105,10 +106,10 @@ class FFAForwardSm90:
     ):
         D = self.hdim
         hq64 = cutlass.Int64(num_heads_q)
-        hk64 = cutlass.Int64(num_heads_k)
+        kv64 = cutlass.Int64(kv_row_stride)
         mQ = cute.make_tensor(ptr_q, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
-        mK = cute.make_tensor(ptr_k, cute.make_layout((total_k, num_heads_k, D), stride=(hk64 * D, D, 1)))
-        mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, D), stride=(hk64 * D, D, 1)))
+        mK = cute.make_tensor(ptr_k, cute.make_layout((total_k, num_heads_k, D), stride=(kv64, D, 1)))
+        mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, D), stride=(kv64, D, 1)))
         mO = cute.make_tensor(ptr_o, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
         mLSE = cute.make_tensor(ptr_lse, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
         mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))

@@ -236,6 +236,32 @@ def _check_accumulator(name: str, t: torch.Tensor, shape: tuple, device) -> None
         raise ValueError(f"{name}: data pointer must be {ACCUMULATOR_ALIGN[name]}-byte aligned")
 
 
+def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(k, v, row stride in elements)`` as the kernel reads them: heads and D contiguous inside a
+    row, rows any multiple of 16 bytes apart (the same for K and V; packed K/V, e.g. views
+    ``kv[:, 0]`` / ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place), bases 16-byte
+    aligned. Anything else is copied to contiguous tensors first."""
+    _, hk, d = k.shape
+
+    def readable(t: torch.Tensor) -> bool:
+        st = t.stride()
+        return (
+            st[2] == 1
+            and (st[1] == d or hk == 1)
+            and st[0] >= hk * d
+            and st[0] * t.element_size() % 16 == 0
+            and st[0] < 2**31
+            and t.data_ptr() % 16 == 0
+        )
+
+    if k.stride(0) == v.stride(0) and readable(k) and readable(v):
+        return k, v, k.stride(0)
+    k, v = k.contiguous(), v.contiguous()
+    k = k if k.data_ptr() % 16 == 0 else k.clone()
+    v = v if v.data_ptr() % 16 == 0 else v.clone()
+    return k, v, hk * d
+
+
 def _launch(
     rt: _Runtime, accumulate: bool, cfg: FwdConfig, q, k, v, out, lse, plan, sink_lse, max_logits,
     softmax_scale: float, softcap: float, flags: int, head_group: int | None,
@@ -249,7 +275,8 @@ def _launch(
     has_softcap = softcap > 0.0
     fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate)
     # TMA and the compiled kernel assume 16-byte aligned bases
-    q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
+    q = q if q.data_ptr() % 16 == 0 else q.clone()
+    k, v, kv_row_stride = _kv_rows(k, v)
     if has_softcap:  # tanh(premul * s) * softcap, then exp2 with softcap * log2(e)
         scale_log2 = softcap * _LOG2_E
         premul = softmax_scale / softcap
@@ -263,7 +290,7 @@ def _launch(
             plan.work.data_ptr(), plan.entries.data_ptr(),
             (sink_lse if sink_lse is not None else out).data_ptr(),
             (max_logits if max_logits is not None else lse).data_ptr(),
-            total_q, total_k, hq, hk, plan.num_work, plan.num_entries,
+            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride,
             scale_log2, premul, softmax_scale, flags,
             torch.cuda.current_stream(q.device).cuda_stream,
         )
