@@ -14,9 +14,8 @@ A. default buffer:
       oracle bitwise; lse native == a2av bitwise and close to the float64 oracle; reduce
       determinism: 3 native runs bitwise equal;
    3. several async casts in flight, then waited in reverse order.
-B. a 1 MiB buffer (``MAGI_COMM_NATIVE_BUFFER_MB=1``) and 128 KiB chunks
-   (``MAGI_COMM_NATIVE_CHUNK_MB=0.125``): pairs move in pipelined rounds through several chunk
-   slots per region; a row larger than the buffer makes it grow (log line); same comparisons.
+B. a 1 MiB buffer (``MAGI_COMM_NATIVE_BUFFER_MB=1``): pairs larger than a region move in
+   rounds; a row larger than the buffer makes it grow (log line); same comparisons.
 
 Prints a PASS/FAIL table on rank 0 and exits non-zero on any failure. A watchdog
 (``MAGI_COMM_CHECK_TIMEOUT`` seconds, default 300) dumps all stacks and exits on a hang.
@@ -221,14 +220,12 @@ def main() -> int:
             run_async(lib, nat, tally, rank, world, device)
         # ---- phase B: 1 MiB buffer -> rounds, then growth
         os.environ[native_mod.ENV_BUFFER_MB] = "1"
-        os.environ[native_mod.ENV_CHUNK_MB] = "0.125"  # rounds through several chunk slots
         with GroupCollective(None, "native") as nat, GroupCollective(None, "a2av") as a2a:
             assert nat._backend.capacity == 1 << 20, nat._backend.capacity
             run_big(lib, nat, a2a, tally, rank, world, device, "B", SEED + 2, 12, 600)
             run_growth(nat, tally, rank, world, device)
             run_big(lib, nat, a2a, tally, rank, world, device, "B after growth", SEED + 3, 6, 300)
         os.environ.pop(native_mod.ENV_BUFFER_MB, None)
-        os.environ.pop(native_mod.ENV_CHUNK_MB, None)
     except Exception:
         tally.record("no exception", False, traceback.format_exc()[-1500:])
         traceback.print_exc()

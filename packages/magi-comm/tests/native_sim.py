@@ -46,14 +46,8 @@ def _copy(use_triton: bool):
     return run
 
 
-def simulate(
-    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, chunk: int | None = None
-):
-    """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3).
-
-    Rounds of ``chunk`` rows (None: ``R``) run with the most overlap the protocol allows: the
-    sends of rounds ``j + 1 .. j + slots - 1`` land before round ``j`` is copied out; a copied-out
-    chunk slot is poisoned (stale rows must never be read)."""
+def simulate(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False):
+    """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3)."""
     W = lay.world
     if kind == "cast":
         plans = [build_cast_plan(*lay.cast_args(r), r, W) for r in range(W)]
@@ -61,8 +55,7 @@ def simulate(
     else:
         plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
         sink_kind = SINK_CONCAT
-    scheds = [build_schedule(p, R, sink_kind, chunk) for p in plans]
-    C, slots = scheds[0].chunk_rows, scheds[0].chunks_per_region
+    scheds = [build_schedule(p, R, sink_kind) for p in plans]
     copy = _copy(use_triton)
     inputs = [
         (torch.arange(p.num_input_rows * ROW_WORDS, dtype=torch.int64) + 1_000_000 * (r + 1))
@@ -73,38 +66,31 @@ def simulate(
     region_words = R * ROW_WORDS
     bufs = [torch.full((max(W - 1, 0) * region_words,), -7, dtype=torch.int64) for _ in range(W)]
     k_max = max((s.num_rounds for s in scheds), default=0)
-    for k in range(k_max + slots - 1):
-        if k < k_max:
-            # pairing of the rounds: s sends d a chunk in round k <=> d expects one from s
-            for s in range(W):
-                for d in range(W):
-                    sends = k < scheds[s].num_rounds and d in scheds[s].rounds[k].send_peers
-                    recvs = k < scheds[d].num_rounds and s in scheds[d].rounds[k].recv_peers
-                    assert sends == recvs, (k, s, d)
-            for r in range(W):
-                if k >= scheds[r].num_rounds:
-                    continue
-                rnd = scheds[r].rounds[k]
-                _check_send_targets(rnd.send, r, W, R, (k % slots) * C, C)
-                bt = to_blocks(rnd.send, ROW_WORDS, block_words)
-                copy(bt, inputs[r], sinks[r], [None if d == r else bufs[d] for d in range(W)], W)
-        j = k - (slots - 1)
-        if j < 0:
-            continue
+    for k in range(k_max):
+        # pairing of the rounds: s sends d a chunk in round k <=> d expects one from s
+        for s in range(W):
+            for d in range(W):
+                sends = k < scheds[s].num_rounds and d in scheds[s].rounds[k].send_peers
+                recvs = k < scheds[d].num_rounds and s in scheds[d].rounds[k].recv_peers
+                assert sends == recvs, (k, s, d)
         for r in range(W):
-            if j >= scheds[r].num_rounds:
+            if k >= scheds[r].num_rounds:
                 continue
-            bt = to_blocks(scheds[r].rounds[j].recv, ROW_WORDS, block_words)
+            rnd = scheds[r].rounds[k]
+            _check_send_targets(rnd.send, r, W, R)
+            bt = to_blocks(rnd.send, ROW_WORDS, block_words)
+            copy(bt, inputs[r], sinks[r], [None if d == r else bufs[d] for d in range(W)], W)
+        for r in range(W):
+            if k >= scheds[r].num_rounds:
+                continue
+            bt = to_blocks(scheds[r].rounds[k].recv, ROW_WORDS, block_words)
             copy(bt, bufs[r], sinks[r], [None] * W, W)
-            for i in range(W - 1):  # the slot is free again (ack); stale data must not be reused
-                lo = (i * R + (j % slots) * C) * ROW_WORDS
-                bufs[r][lo : lo + C * ROW_WORDS] = -7
+            bufs[r].fill_(-7)  # the region is free again (ack); stale data must not be reused
     return [s.view(-1, ROW_WORDS) for s in sinks], [x.view(-1, ROW_WORDS) for x in inputs], plans
 
 
-def _check_send_targets(table, r: int, W: int, R: int, slot_start: int, C: int) -> None:
-    """Sends stay inside the round's chunk slot of region (r, d) of every peer d and never target
-    self's column."""
+def _check_send_targets(table, r: int, W: int, R: int) -> None:
+    """Sends stay inside region (r, d) of every peer d and never target self's column."""
     if table.num_tasks == 0:
         return
     for c in range(W):
@@ -114,9 +100,9 @@ def _check_send_targets(table, r: int, W: int, R: int, slot_start: int, C: int) 
             assert not sent.any()
             continue
         if sent.any():
-            base = region_index(r, c) * R + slot_start
+            base = region_index(r, c) * R
             assert (col[sent] >= base).all()
-            assert (col[sent] + table.nrows[sent] <= base + C).all()
+            assert (col[sent] + table.nrows[sent] <= base + R).all()
 
 
 def expected(lay: lib.Layout, kind: str, inputs, plans):
@@ -128,13 +114,11 @@ def expected(lay: lib.Layout, kind: str, inputs, plans):
     return [torch.cat(chunks[d]) if chunks[d] else inputs[d][:0] for d in range(W)]
 
 
-def check_layout(
-    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, chunk: int | None = None
-) -> None:
-    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton, chunk)
+def check_layout(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False) -> None:
+    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton)
     exp = expected(lay, kind, inputs, plans)
     for d in range(lay.world):
-        assert torch.equal(sinks[d], exp[d]), (kind, R, chunk, block_words, d, lay)
+        assert torch.equal(sinks[d], exp[d]), (kind, R, block_words, d, lay)
 
 
 def main_triton(n: int = 12) -> None:
@@ -145,9 +129,8 @@ def main_triton(n: int = 12) -> None:
         lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
         for kind in ("cast", "reduce"):
             check_layout(
-                lay, kind, R=rng.choice([1, 2, 3, 50]), block_words=rng.choice([2, 4, 16]), use_triton=True,
-                chunk=rng.choice([None, 1, 2]),
-            )  # fmt: skip
+                lay, kind, R=rng.choice([1, 2, 3, 50]), block_words=rng.choice([2, 4, 16]), use_triton=True
+            )
     print("native_sim triton ok", file=sys.stderr)
 
 

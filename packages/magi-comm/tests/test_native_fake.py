@@ -76,12 +76,8 @@ def _run(be, case, rank, world):
     (_run_cast if case["kind"] == "cast" else _run_reduce)(be, case, rank, world)
 
 
-@pytest.mark.parametrize(
-    ("world", "fused", "chunk_kib"),
-    [(1, True, None), (2, True, None), (3, True, None), (3, False, None), (2, True, 128), (3, False, 128)],
-)
-def test_native_backend_in_fake_world(monkeypatch, world, fused, chunk_kib):
-    """chunk_kib=128: big cases move in rounds of 2 rows through 4-8 chunk slots per region."""
+@pytest.mark.parametrize(("world", "fused"), [(1, True), (2, True), (3, True), (3, False)])
+def test_native_backend_in_fake_world(monkeypatch, world, fused):
     fw = native_fake.FakeWorld(world)
     native_fake.install(monkeypatch, fw)
     small = _cases(world, 100 + world, 24, big=False)
@@ -89,8 +85,7 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused, chunk_kib):
     mib = 1 << 20
 
     def rank_fn(rank):
-        chunk = {} if chunk_kib is None else {"chunk_bytes": chunk_kib << 10}
-        cfg = NativeConfig(buffer_bytes=mib, fused_reduce=fused, **chunk)
+        cfg = NativeConfig(buffer_bytes=mib, fused_reduce=fused)
         with NativeBackend("group", rank, world, cfg) as be, NativeBackend("group", rank, world, cfg) as be2:
             assert be._state is be2._state  # one state per group
             for case in small:

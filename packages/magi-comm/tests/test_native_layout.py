@@ -47,12 +47,10 @@ HERE = Path(__file__).resolve().parent
     kind=st.sampled_from(["cast", "reduce"]),
     R=st.sampled_from([1, 2, 3, 7, 1000]),
     block_words=st.sampled_from([1, 2, 4, 64]),
-    chunk=st.sampled_from([None, 1, 2, 3]),
 )
-def test_simulated_transport_matches_oracle(world, seed, kind, R, block_words, chunk):
-    """All ranks' rounds, with chunk slots overlapping as far as the protocol allows."""
+def test_simulated_transport_matches_oracle(world, seed, kind, R, block_words):
     lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
-    native_sim.check_layout(lay, kind, R, block_words, chunk=chunk)
+    native_sim.check_layout(lay, kind, R, block_words)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -83,22 +81,6 @@ def test_rounds_split_large_pairs():
     assert [r.send_peers for r in sched.rounds] == [(1,), (1,), (1,)]
     assert [r.recv_peers for r in sched.rounds] == [(1,), (1,), ()]
     assert [r.send.num_rows for r in sched.rounds] == [2, 2, 1]
-
-
-def test_chunk_slots_pipeline_rounds():
-    # 7 rows each way, regions of 6 rows, chunks of 2: 3 slots, rounds of 2, 2, 2, 1 rows; round 3
-    # reuses slot 0 (after round 0's acknowledgement)
-    lay = lib._complete(random.Random(0), 2, [[7], [7]], [[[1]], [[0]]])
-    plan = build_cast_plan(*lay.cast_args(0), 0, 2)
-    sched = build_schedule(plan, 6, SINK_SCATTER, chunk_rows=2)
-    assert (sched.chunk_rows, sched.chunks_per_region, sched.num_rounds) == (2, 3, 4)
-    starts = [int(r.send.dst_row[:, 1].min()) for r in sched.rounds]
-    assert starts == [0, 2, 4, 0]
-    assert [r.send.num_rows for r in sched.rounds] == [2, 2, 2, 1]
-    assert [int(r.recv.src_row.min()) for r in sched.rounds] == [0, 2, 4, 0]
-    # a chunk larger than the region is clipped to it; None is one chunk per region
-    assert build_schedule(plan, 6, SINK_SCATTER, chunk_rows=50).chunks_per_region == 1
-    assert build_schedule(plan, 6, SINK_SCATTER).num_rounds == 2
 
 
 def test_runs_merge_and_break():
@@ -211,18 +193,3 @@ def test_fused_reduce_terms_refuse_rounds():
     plan = build_reduce_plan(*lay.reduce_args(0), 0, 2)
     with pytest.raises(ValueError, match="does not fit one region"):
         build_reduce_terms(plan, 2)
-
-
-def test_native_config_from_env(monkeypatch):
-    from magi_comm.backends.native import ENV_BUFFER_MB, ENV_CHUNK_MB, NativeConfig
-
-    monkeypatch.setenv(ENV_BUFFER_MB, "2")
-    monkeypatch.setenv(ENV_CHUNK_MB, "0.5")
-    cfg = NativeConfig.from_env()
-    assert (cfg.buffer_bytes, cfg.chunk_bytes) == (2 << 20, 1 << 19)
-    monkeypatch.setenv(ENV_CHUNK_MB, "lots")
-    with pytest.raises(ValueError, match=ENV_CHUNK_MB):
-        NativeConfig.from_env()
-    monkeypatch.setenv(ENV_CHUNK_MB, "0")
-    with pytest.raises(ValueError, match="positive"):
-        NativeConfig.from_env()

@@ -16,14 +16,11 @@ in ``s``'s input order, equal to the rows ``d`` expects from ``s``, in ``d``'s o
   (the output row for group_cast, the concatenated receive row for group_reduce).
 
 No offsets are exchanged at run time. A region holds ``region_rows`` rows
-(:func:`region_rows`, from the capacity and the row size of the call). A pair moves its rows in
-*rounds* of ``C`` rows (a *chunk*; ``C`` from the backend's chunk size, at most ``R``): round
-``k`` carries pair rows ``[k * C, (k + 1) * C)`` into chunk slot ``k % (R // C)`` of the region,
-with the signal / acknowledgement protocol of the backend per round. With several slots, a
-round's transfer lands while the receiver still copies the previous rounds out (pipelining);
-a slot is written again only after its previous chunk was acknowledged, so a fixed buffer
-serves any call. Rows a rank sends to itself never touch the buffer: they are copied straight
-from the input into the sink in round 0.
+(:func:`region_rows`, from the capacity and the row size of the call); a pair that moves more
+rows than that is moved in several *rounds* (round ``k`` carries pair rows
+``[k * R, (k + 1) * R)``), with the signal / acknowledgement protocol of the backend between
+rounds, so a fixed buffer serves any call. Rows a rank sends to itself never touch the buffer:
+they are copied straight from the input into the sink in round 0.
 
 Fields: a call moves one or two *fields* with the same rows (data, and for ``reduce_op="lse"``
 the log-sum-exp). Field ``f`` occupies its own area of the buffer (:func:`field_offsets`); rows of
@@ -202,33 +199,23 @@ class Round:
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
-    """All rounds of one call of one rank, for ``region_rows`` rows per region.
-
-    A round moves up to ``chunk_rows`` rows per pair; a region holds ``chunks_per_region`` such
-    chunks side by side (round ``k`` uses chunk slot ``k % chunks_per_region``), so the next
-    rounds' transfers may land while earlier rounds are still being copied out.
-    """
+    """All rounds of one call of one rank, for ``region_rows`` rows per region."""
 
     region_rows: int
     rounds: tuple[Round, ...]
-    chunk_rows: int = 0
-    chunks_per_region: int = 1
 
     @property
     def num_rounds(self) -> int:
         return len(self.rounds)
 
 
-def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None = None) -> Schedule:
+def build_schedule(plan, rows_per_region: int, sink: str) -> Schedule:
     """Rounds and copy tasks of ``plan`` (a CastPlan or ReducePlan) on its rank.
 
     Args:
         plan: the cached plan; uses ``rank``, ``world_size``, ``send_counts``, ``recv_counts``,
             ``gather_index`` and (for ``SINK_SCATTER``) ``scatter_index``.
         rows_per_region: ``R`` from :func:`region_rows` (>= 1).
-        chunk_rows: rows a pair moves per round (``C``, clipped to ``[1, R]``; None = ``R``).
-            Round ``k`` carries pair rows ``[k * C, (k + 1) * C)`` to region rows
-            ``(k % (R // C)) * C + ...``: both ends derive it from sizes they share.
         sink: ``SINK_SCATTER`` (rows land in ``output`` through the plan's scatter index),
             ``SINK_CONCAT`` (rows land in a receive buffer laid out like the a2av backend's:
             sources ascending, rows in order) or ``SINK_NONE`` (rows from peers stay in the
@@ -240,8 +227,6 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
     if sink not in (SINK_SCATTER, SINK_CONCAT, SINK_NONE):
         raise ValueError(f"unknown sink {sink!r}")
     W, r, R = plan.world_size, plan.rank, rows_per_region
-    C = R if chunk_rows is None else max(1, min(int(chunk_rows), R))
-    slots = R // C
     send_counts, recv_counts = list(plan.send_counts), list(plan.recv_counts)
     send_off, recv_off = _prefix(send_counts), _prefix(recv_counts)
     n_in = plan.num_input_rows
@@ -255,7 +240,7 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
         return rows if scatter is None else scatter[rows]
 
     def rounds_of(n: int) -> int:
-        return -(-n // C)
+        return -(-n // R)
 
     k_max = max(
         [rounds_of(send_counts[d]) for d in range(W) if d != r]
@@ -264,8 +249,7 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
     )
     rounds = []
     for k in range(k_max):
-        lo, hi = k * C, (k + 1) * C
-        base = (k % slots) * C - lo  # region row of pair row q: region start + base + q
+        lo, hi = k * R, (k + 1) * R
         dst = torch.full((W + 1, n_in), -1, dtype=torch.int64)
         send_peers = []
         for d in range(W):
@@ -279,7 +263,7 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
                 continue
             send_peers.append(d)
             q = torch.arange(lo, min(hi, cnt), dtype=torch.int64)
-            dst[d, stream[q]] = region_index(r, d) * R + base + q
+            dst[d, stream[q]] = region_index(r, d) * R + (q - lo)
         items = torch.nonzero((dst >= 0).any(0)).flatten()
         send = _runs(items, dst[:, items])
 
@@ -289,7 +273,7 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
                 continue
             recv_peers.append(s)
             q = torch.arange(lo, min(hi, recv_counts[s]), dtype=torch.int64)
-            srcs.append(region_index(s, r) * R + base + q)
+            srcs.append(region_index(s, r) * R + (q - lo))
             sinks.append(sink_rows(s, q))
         if srcs and sink != SINK_NONE:
             src_rows = torch.cat(srcs)
@@ -299,7 +283,7 @@ def build_schedule(plan, rows_per_region: int, sink: str, chunk_rows: int | None
         else:
             recv = TaskTable.empty(W)
         rounds.append(Round(send, recv, tuple(send_peers), tuple(recv_peers)))
-    return Schedule(R, tuple(rounds), C, slots)
+    return Schedule(R, tuple(rounds))
 
 
 def build_reduce_terms(plan, rows_per_region: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

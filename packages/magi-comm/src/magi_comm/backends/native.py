@@ -22,16 +22,13 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
 * **Completion by signals.** Per ordered pair (s, d) both ends count transfers (a round that
   moves rows s -> d) in the same order, without talking. After its send kernel, s sets
   ``ready[s]`` on d to the transfer number (``nvshmemx_signal_op_on_stream``, SET); d waits
-  ``ready[s] >= n`` on its receive stream (``signal_wait_until_on_stream``), copies the chunk
-  into the sink, then sets ``ack[d]`` on s. Before writing a chunk slot of d's region, s waits
-  for the acknowledgement of the slot's previous chunk (see ``_transport``). All of it is
-  stream-ordered: no host synchronization, no barrier per call. Every wait depends only on
-  work of an earlier round (or call) of another rank, so the protocol cannot deadlock.
-* **Pipelining.** A pair's rows move in rounds of ``NativeConfig.chunk_bytes``; a region holds
-  several chunk slots, and receive copies run on a second stream, so the copy-out of round k
-  overlaps the transfer of round k + 1 (the receive copy is a second pass over the bytes).
-* **Capacity.** A pair that moves more rows than a region holds reuses its chunk slots in
-  later rounds. The buffer grows (collectively, with a log line) only
+  ``ready[s] >= n`` on its stream (``signal_wait_until_on_stream``), copies the region into
+  the sink, then sets ``ack[d]`` on s. Before writing transfer n into d's region, s waits for
+  ``ack[d] >= n - 1``. All of it is stream-ordered: no host synchronization, no barrier per
+  call. Every wait depends only on work of an earlier round (or call) of another rank, so the
+  protocol cannot deadlock.
+* **Capacity.** A pair that moves more rows than a region holds is moved in rounds through the
+  same buffer (logged once per layout). The buffer grows (collectively, with a log line) only
   when a single row does not fit: row size and dtype are the same on every rank, so all
   ranks take that decision at the same call. :meth:`NativeBackend.reserve` grows it
   explicitly (collective).
@@ -80,26 +77,15 @@ from ._native_layout import (
     word_size,
 )
 
-__all__ = ["ENV_BUFFER_MB", "ENV_CHUNK_MB", "ENV_FUSED_REDUCE", "NativeBackend", "NativeConfig", "shutdown"]
+__all__ = ["ENV_BUFFER_MB", "ENV_FUSED_REDUCE", "NativeBackend", "NativeConfig", "shutdown"]
 
 logger = logging.getLogger(__name__)
 
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
-ENV_CHUNK_MB = "MAGI_COMM_NATIVE_CHUNK_MB"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _READY, _ACK = 0, 1
-
-
-def _mib_to_bytes(var: str, mb: str) -> int:
-    try:
-        n = int(float(mb) * _MIB)
-    except ValueError:
-        raise ValueError(f"${var} must be a number of MiB, got {mb!r}") from None
-    if n <= 0:
-        raise ValueError(f"${var} must be positive, got {mb!r}")
-    return n
 
 
 @dataclass(frozen=True)
@@ -116,10 +102,6 @@ class NativeConfig:
             receive regions when every pair fits one region (``$MAGI_COMM_NATIVE_FUSED_REDUCE=0``
             turns it off: rows then go through the receive scratch and the shared torch
             reduction, like the staged path used for ``lse`` and for calls in rounds).
-        chunk_bytes: bytes a pair moves per round of a cast or staged reduce (rounded down to
-            whole rows, at most a region). Receive copies run on their own stream, so a round's
-            copy-out overlaps the next round's transfer; each round costs a few launches of
-            host time, hence large chunks.
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -127,19 +109,20 @@ class NativeConfig:
     num_warps: int = 8
     growth_factor: float = 2.0
     fused_reduce: bool = True
-    chunk_bytes: int = 32 * _MIB
 
     @staticmethod
     def from_env() -> NativeConfig:
-        """Defaults, with ``$MAGI_COMM_NATIVE_BUFFER_MB``, ``$MAGI_COMM_NATIVE_CHUNK_MB`` and
-        ``$MAGI_COMM_NATIVE_FUSED_REDUCE`` applied when set."""
         fused = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
-        sizes = {}
-        for var, name in ((ENV_BUFFER_MB, "buffer_bytes"), (ENV_CHUNK_MB, "chunk_bytes")):
-            mb = os.environ.get(var)
-            if mb:
-                sizes[name] = _mib_to_bytes(var, mb)
-        return NativeConfig(fused_reduce=fused, **sizes)
+        mb = os.environ.get(ENV_BUFFER_MB)
+        if not mb:
+            return NativeConfig(fused_reduce=fused)
+        try:
+            n = int(float(mb) * _MIB)
+        except ValueError:
+            raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
+        if n <= 0:
+            raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
+        return NativeConfig(buffer_bytes=n, fused_reduce=fused)
 
     def aligned_buffer_bytes(self) -> int:
         return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
@@ -268,8 +251,7 @@ class _GroupState:
         self.config = config
         self.refcount = 0
         self.device = _device(rt.device)
-        self.stream = torch.cuda.Stream(self.device)  # sends (and everything of a fused reduce)
-        self.recv_stream = torch.cuda.Stream(self.device)  # receive copies, overlapping the sends
+        self.stream = torch.cuda.Stream(self.device)
         self.sent = [0] * self.world  # transfers this rank made to each peer
         self.recvd = [0] * self.world  # transfers this rank consumed from each peer
         self.scratch: dict[str, torch.Tensor] = {}
@@ -335,18 +317,18 @@ class _GroupState:
     def _slot(self, kind: int, idx: int) -> int:
         return self.sig.data_ptr() + 8 * (kind * self.world + idx)
 
-    def signal(self, kind: int, pe: int, value: int, stream) -> None:
-        """Set slot ``(kind, self.rank)`` on ``pe`` to ``value`` once prior work on ``stream`` is done."""
+    def signal(self, kind: int, pe: int, value: int) -> None:
+        """Set slot ``(kind, self.rank)`` on ``pe`` to ``value`` once prior stream work is done."""
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_op_on_stream(
-            self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, stream.cuda_stream
+            self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
         )
 
-    def wait(self, kind: int, idx: int, value: int, stream) -> None:
-        """Block ``stream`` until local slot ``(kind, idx)`` >= ``value``."""
+    def wait(self, kind: int, idx: int, value: int) -> None:
+        """Block the stream until local slot ``(kind, idx)`` >= ``value``."""
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_wait_until_on_stream(
-            self._slot(kind, idx), int(nvc.ComparisonType.CMP_GE), value, stream.cuda_stream
+            self._slot(kind, idx), int(nvc.ComparisonType.CMP_GE), value, self.stream.cuda_stream
         )
 
     # -- local scratch -----------------------------------------------------------------------
@@ -478,20 +460,20 @@ class NativeBackend:
             if t is not None and t.device != dev:
                 raise ValueError(f"magi_comm native backend: tensors must be on {dev}, got one on {t.device}")
 
-    def _schedule(self, plan, R: int, sink: str, chunk_rows: int | None = None):
-        key = ("native-schedule", R, sink, chunk_rows)
+    def _schedule(self, plan, R: int, sink: str):
+        key = ("native-schedule", R, sink)
         sched = plan._on_device.get(key)
         if sched is None:
-            sched = build_schedule(plan, R, sink, chunk_rows)
+            sched = build_schedule(plan, R, sink)
             plan._on_device[key] = sched
             if sched.num_rounds > 1:
-                logger.debug(
-                    "magi_comm native: rank %d moves this layout in %d rounds of %d rows per peer "
-                    "(%d chunk slots per region)",
+                logger.info(
+                    "magi_comm native: rank %d moves this layout in %d rounds of %d rows per peer; a "
+                    "larger $%s avoids the rounds",
                     self.rank,
                     sched.num_rounds,
-                    sched.chunk_rows,
-                    sched.chunks_per_region,
+                    R,
+                    ENV_BUFFER_MB,
                 )
         return sched
 
@@ -519,9 +501,7 @@ class NativeBackend:
             R = self._rows_per_region(rbs)
             if st.capacity != key[4]:  # grew: the key names the old buffer
                 return self._layout(plan, sink_kind, rbs, ws)
-            # the fused reduction reads every peer's rows where one round put them: no chunks
-            chunk = None if sink_kind == SINK_NONE else max(1, self.config.chunk_bytes // sum(rbs))
-            sched = self._schedule(plan, R, sink_kind, chunk)
+            sched = self._schedule(plan, R, sink_kind)
             per_field = []
             make, nw = self._kernels.CopyLaunch, self.config.num_warps
             # block tables go to the device on the group stream, ahead of the kernels reading them
@@ -546,17 +526,11 @@ class NativeBackend:
         return layout
 
     def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None) -> None:
-        """Move every field's rows to their sinks (enqueued on the group stream; the group stream
-        waits for the receive stream before returning).
-
-        Sends run on the group stream, receive copies on the receive stream, so round k's copy-out
-        overlaps round k + 1's transfer. Before writing a chunk slot the sender waits for the
-        acknowledgement of its previous use: in round 0 for every earlier transfer to that peer
-        (earlier calls may have used other slots), in round k for transfer k - slots.
+        """Move every field's rows to their sinks (enqueued on the group stream).
 
         ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
-        copies: it runs on the group stream once every peer's rows are in the local regions (or
-        at once when there is no round), before the acknowledgements release the regions.
+        copies: it runs once every peer's rows are in the local regions (or at once when there
+        is no round), before the acknowledgements release the regions.
         """
         st = self._require()
         fields = [f for f in fields if f.row_bytes > 0]
@@ -574,35 +548,28 @@ class NativeBackend:
             (f.src.data_ptr(), f.sink.data_ptr(), base + off, runs)
             for f, (off, runs) in zip(fields, per_field)
         ]
-        send_stream = st.stream
-        recv_stream = send_stream if consume is not None else st.recv_stream
-        if recv_stream is not send_stream:
-            recv_stream.wait_stream(send_stream)  # the sinks are free once the caller's work is
-        slots = sched.chunks_per_region
+        stream = st.stream
         for k, rnd in enumerate(sched.rounds):
             for d in rnd.send_peers:
-                need = st.sent[d] if k == 0 else st.sent[d] + 1 - slots if k >= slots else 0
-                if need > 0:
-                    st.wait(_ACK, d, need, send_stream)  # d copied out the slot's previous chunk
+                if st.sent[d] > 0:
+                    st.wait(_ACK, d, st.sent[d])  # d consumed our previous transfer
             for src, sink, _local, runs in prepared:
-                runs[k][0](src, sink, send_stream)
+                runs[k][0](src, sink, stream)
             for d in rnd.send_peers:
                 st.sent[d] += 1
-                st.signal(_READY, d, st.sent[d], send_stream)
+                st.signal(_READY, d, st.sent[d])
             for s in rnd.recv_peers:
-                st.wait(_READY, s, st.recvd[s] + 1, recv_stream)
+                st.wait(_READY, s, st.recvd[s] + 1)
             if consume is not None:
                 consume()
             else:
                 for _src, sink, local, runs in prepared:
-                    runs[k][1](local, sink, recv_stream)
+                    runs[k][1](local, sink, stream)
             for s in rnd.recv_peers:
                 st.recvd[s] += 1
-                st.signal(_ACK, s, st.recvd[s], recv_stream)
+                st.signal(_ACK, s, st.recvd[s])
         if consume is not None and not sched.rounds:
             consume()
-        if recv_stream is not send_stream:
-            send_stream.wait_stream(recv_stream)
 
     def _terms(self, plan, R: int, device):
         key = ("native-terms", str(device), R)
