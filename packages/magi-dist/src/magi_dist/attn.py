@@ -3,8 +3,12 @@
 Forward: the host stage computes on local K/V while stage 0's remote K/V is group-cast; each
 remote stage's K/V is prefetched while the previous stage computes; partials merge by log-sum-exp
 in float32. A rank whose rows see one key set (overlap degree 0: all remote K/V first, then one
-call over ``[local; remote]``) makes one plain kernel call, sink included. Backward: reuses the saved out/lse, re-casts each stage's K/V, computes dq locally and
-group-reduces each stage's partial dK/dV to their owners while the next stage computes.
+call over ``[local; remote]``) makes one plain kernel call, sink included. Backward: reuses the
+saved out/lse, re-casts each stage's K/V, computes dq locally and group-reduces each stage's
+partial dK/dV to their owners while the next stage computes.
+
+K and V travel as one packed row per token, ``(T, 2, Hk, D)``; the kernels read ``kv[:, 0]`` and
+``kv[:, 1]`` in place.
 """
 
 from __future__ import annotations
