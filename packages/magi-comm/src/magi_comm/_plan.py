@@ -228,6 +228,76 @@ def _self_pair_check(op, rank, sent: list[int], received: list[int]) -> None:
 # builders
 
 
+def _checked_args(
+    op: str,
+    input_split_sizes: Sequence[int],
+    output_split_sizes: Sequence[int],
+    per_input: Sequence,
+    per_output: Sequence,
+    names: tuple[str, str],
+    world_size: int,
+    input_rows: int | None,
+    output_rows: int | None,
+) -> tuple[list[int], list[int], list[list[int]], list[list[int]]]:
+    """Validated ``(in_sizes, out_sizes, ranks per input split, ranks per output split)``.
+
+    ``names``: the rank arguments of ``op`` (per input split, per output split). The cast names
+    a list of ranks per input split and one rank per output split, the reduce the other way
+    round; both come back as lists (the reduce's source lists sorted: its fixed order).
+    """
+    in_sizes = _check_sizes(input_split_sizes, "input_split_sizes", op)
+    out_sizes = _check_sizes(output_split_sizes, "output_split_sizes", op)
+    check_split_sums(op, sum(in_sizes), sum(out_sizes), input_rows, output_rows)
+    for ranks, sizes, name, split in (
+        (per_input, in_sizes, names[0], "input_split_sizes"),
+        (per_output, out_sizes, names[1], "output_split_sizes"),
+    ):
+        if len(ranks) != len(sizes):
+            raise ValueError(f"{op}: len({name}) = {len(ranks)} != len({split}) = {len(sizes)}")
+    cast = op == "group_cast"
+
+    def ranks_of(x, name: str, many: bool) -> list[int]:
+        if not many:
+            return [_check_rank(x, name, op, world_size)]
+        ranks = _check_rank_list(x, name, op, world_size)
+        return ranks if cast else sorted(ranks)
+
+    ins = [ranks_of(x, f"{names[0]}[{i}]", cast) for i, x in enumerate(per_input)]
+    outs = [ranks_of(x, f"{names[1]}[{j}]", not cast) for j, x in enumerate(per_output)]
+    return in_sizes, out_sizes, ins, outs
+
+
+def _by_peer(world_size: int, ranks_per_split: list[list[int]]) -> list[list[int]]:
+    """Split ids per peer, in split order (the pairing order of API.md)."""
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i, ranks in enumerate(ranks_per_split):
+        for r in ranks:
+            out[r].append(i)
+    return out
+
+
+def _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs) -> dict:
+    """The fields both plans share: row totals, per-peer counts and signatures, gather index."""
+    send_sizes = [[in_sizes[i] for i in sends[d]] for d in range(world_size)]
+    recv_sizes = [[out_sizes[j] for j in recvs[s]] for s in range(world_size)]
+    _self_pair_check(op, rank, send_sizes[rank], recv_sizes[rank])
+    in_off = _prefix(in_sizes)
+    g_starts = [in_off[i] for d in range(world_size) for i in sends[d]]
+    g_lens = [in_sizes[i] for d in range(world_size) for i in sends[d]]
+    gather = None if _is_identity(g_starts, g_lens, sum(in_sizes)) else _expand_ranges(g_starts, g_lens)
+    return dict(
+        rank=rank,
+        world_size=world_size,
+        num_input_rows=sum(in_sizes),
+        num_output_rows=sum(out_sizes),
+        send_counts=tuple(sum(x) for x in send_sizes),
+        recv_counts=tuple(sum(x) for x in recv_sizes),
+        send_signatures=tuple(PairSignature.of(x) for x in send_sizes),
+        recv_signatures=tuple(PairSignature.of(x) for x in recv_sizes),
+        gather_index=gather,
+    )
+
+
 def build_cast_plan(
     input_split_sizes: Sequence[int],
     output_split_sizes: Sequence[int],
@@ -245,53 +315,19 @@ def build_cast_plan(
     Raises ValueError / TypeError naming the offending argument and value.
     """
     op = "group_cast"
-    in_sizes = _check_sizes(input_split_sizes, "input_split_sizes", op)
-    out_sizes = _check_sizes(output_split_sizes, "output_split_sizes", op)
-    check_split_sums(op, sum(in_sizes), sum(out_sizes), input_rows, output_rows)
-    if len(dst_indices) != len(in_sizes):
-        raise ValueError(
-            f"{op}: len(dst_indices) = {len(dst_indices)} != len(input_split_sizes) = {len(in_sizes)}"
-        )
-    if len(src_index) != len(out_sizes):
-        raise ValueError(
-            f"{op}: len(src_index) = {len(src_index)} != len(output_split_sizes) = {len(out_sizes)}"
-        )
-    dsts = [_check_rank_list(d, f"dst_indices[{i}]", op, world_size) for i, d in enumerate(dst_indices)]
-    srcs = [_check_rank(s, f"src_index[{j}]", op, world_size) for j, s in enumerate(src_index)]
-
-    in_off, out_off = _prefix(in_sizes), _prefix(out_sizes)
-    sends: list[list[int]] = [[] for _ in range(world_size)]  # split ids per destination
-    for i, ds in enumerate(dsts):
-        for d in ds:
-            sends[d].append(i)
-    recvs: list[list[int]] = [[] for _ in range(world_size)]  # output split ids per source
-    for j, s in enumerate(srcs):
-        recvs[s].append(j)
-    _self_pair_check(op, rank, [in_sizes[i] for i in sends[rank]], [out_sizes[j] for j in recvs[rank]])
-
-    g_starts = [in_off[i] for d in range(world_size) for i in sends[d]]
-    g_lens = [in_sizes[i] for d in range(world_size) for i in sends[d]]
+    in_sizes, out_sizes, dsts, srcs = _checked_args(
+        op, input_split_sizes, output_split_sizes, dst_indices, src_index, ("dst_indices", "src_index"),
+        world_size, input_rows, output_rows,
+    )  # fmt: skip
+    sends, recvs = _by_peer(world_size, dsts), _by_peer(world_size, srcs)
+    fields = _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs)
+    out_off = _prefix(out_sizes)
     s_starts = [out_off[j] for s in range(world_size) for j in recvs[s]]
     s_lens = [out_sizes[j] for s in range(world_size) for j in recvs[s]]
-    gather = None if _is_identity(g_starts, g_lens, sum(in_sizes)) else _expand_ranges(g_starts, g_lens)
     # Every output row belongs to exactly one split with exactly one source, so the receive
     # buffer is a permutation of the output rows.
     scatter = None if _is_identity(s_starts, s_lens, sum(out_sizes)) else _expand_ranges(s_starts, s_lens)
-
-    send_sizes = [[in_sizes[i] for i in sends[d]] for d in range(world_size)]
-    recv_sizes = [[out_sizes[j] for j in recvs[s]] for s in range(world_size)]
-    return CastPlan(
-        rank=rank,
-        world_size=world_size,
-        num_input_rows=sum(in_sizes),
-        num_output_rows=sum(out_sizes),
-        send_counts=tuple(sum(x) for x in send_sizes),
-        recv_counts=tuple(sum(x) for x in recv_sizes),
-        send_signatures=tuple(PairSignature.of(x) for x in send_sizes),
-        recv_signatures=tuple(PairSignature.of(x) for x in recv_sizes),
-        gather_index=gather,
-        scatter_index=scatter,
-    )
+    return CastPlan(**fields, scatter_index=scatter)
 
 
 def build_reduce_plan(
@@ -306,35 +342,12 @@ def build_reduce_plan(
 ) -> ReducePlan:
     """Build (without caching) the plan of a group_reduce; validates the lists (see build_cast_plan)."""
     op = "group_reduce"
-    in_sizes = _check_sizes(input_split_sizes, "input_split_sizes", op)
-    out_sizes = _check_sizes(output_split_sizes, "output_split_sizes", op)
-    check_split_sums(op, sum(in_sizes), sum(out_sizes), input_rows, output_rows)
-    if len(dst_index) != len(in_sizes):
-        raise ValueError(
-            f"{op}: len(dst_index) = {len(dst_index)} != len(input_split_sizes) = {len(in_sizes)}"
-        )
-    if len(src_indices) != len(out_sizes):
-        raise ValueError(
-            f"{op}: len(src_indices) = {len(src_indices)} != len(output_split_sizes) = {len(out_sizes)}"
-        )
-    dsts = [_check_rank(d, f"dst_index[{i}]", op, world_size) for i, d in enumerate(dst_index)]
-    srcs = [
-        sorted(_check_rank_list(s, f"src_indices[{j}]", op, world_size)) for j, s in enumerate(src_indices)
-    ]
-
-    in_off, out_off = _prefix(in_sizes), _prefix(out_sizes)
-    sends: list[list[int]] = [[] for _ in range(world_size)]
-    for i, d in enumerate(dsts):
-        sends[d].append(i)
-    recvs: list[list[int]] = [[] for _ in range(world_size)]  # output split ids per source
-    for j, ss in enumerate(srcs):
-        for s in ss:
-            recvs[s].append(j)
-    _self_pair_check(op, rank, [in_sizes[i] for i in sends[rank]], [out_sizes[j] for j in recvs[rank]])
-
-    g_starts = [in_off[i] for d in range(world_size) for i in sends[d]]
-    g_lens = [in_sizes[i] for d in range(world_size) for i in sends[d]]
-    gather = None if _is_identity(g_starts, g_lens, sum(in_sizes)) else _expand_ranges(g_starts, g_lens)
+    in_sizes, out_sizes, dsts, srcs = _checked_args(
+        op, input_split_sizes, output_split_sizes, dst_index, src_indices, ("dst_index", "src_indices"),
+        world_size, input_rows, output_rows,
+    )  # fmt: skip
+    sends, recvs = _by_peer(world_size, dsts), _by_peer(world_size, srcs)
+    fields = _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs)
 
     # Offset in the receive buffer of the segment source s sent for output split j.
     buf_pos: dict[tuple[int, int], int] = {}
@@ -344,6 +357,7 @@ def build_reduce_plan(
             buf_pos[(s, j)] = pos
             pos += out_sizes[j]
 
+    out_off = _prefix(out_sizes)
     max_sources = max((len(ss) for ss in srcs), default=0)
     slots = []
     for k in range(max_sources):
@@ -358,19 +372,4 @@ def build_reduce_plan(
         torch.tensor(out_sizes, dtype=torch.int64),
         output_size=sum(out_sizes),
     )
-
-    send_sizes = [[in_sizes[i] for i in sends[d]] for d in range(world_size)]
-    recv_sizes = [[out_sizes[j] for j in recvs[s]] for s in range(world_size)]
-    return ReducePlan(
-        rank=rank,
-        world_size=world_size,
-        num_input_rows=sum(in_sizes),
-        num_output_rows=sum(out_sizes),
-        send_counts=tuple(sum(x) for x in send_sizes),
-        recv_counts=tuple(sum(x) for x in recv_sizes),
-        send_signatures=tuple(PairSignature.of(x) for x in send_sizes),
-        recv_signatures=tuple(PairSignature.of(x) for x in recv_sizes),
-        gather_index=gather,
-        slots=tuple(slots),
-        sources_per_row=sources_per_row,
-    )
+    return ReducePlan(**fields, slots=tuple(slots), sources_per_row=sources_per_row)
