@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from .._identity_cache import IdentityCache
+from .._types import BICAUSAL, CAUSAL, INVCAUSAL
 
 BIG = 1 << 30
 ENTRY_COLS = 12
-
-FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 
 
 @dataclass
