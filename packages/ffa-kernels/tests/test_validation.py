@@ -259,3 +259,18 @@ def test_packed_kv_rows_are_read_in_place():
     ref, ref_meta = flex_flash_attn_func(q, kv[:, 0].contiguous(), kv[:, 1].contiguous(), r_q, r_k, ty)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     torch.testing.assert_close(meta.lse, ref_meta.lse, atol=0, rtol=0)
+
+
+def test_kernel_reads_packed_kv_in_place():
+    """The sm90 launch path takes packed K/V views as they are (row stride 2*Hk*D), and copies
+    K/V whose rows are not 16 bytes apart or differ between K and V (nothing is launched)."""
+    from ffa_kernels.cute.launch import _kv_rows
+
+    kv = torch.randn(10, 2, 2, 8).to(torch.bfloat16)
+    k, v, stride = _kv_rows(kv[:, 0], kv[:, 1])
+    assert (k.data_ptr(), v.data_ptr(), stride) == (kv.data_ptr(), kv[:, 1].data_ptr(), 2 * 2 * 8)
+    odd = torch.randn(10, 36).to(torch.bfloat16)[:, :32].view(10, 2, 16)  # rows 72 bytes apart
+    k, v, stride = _kv_rows(odd, odd)
+    assert k.is_contiguous() and k.data_ptr() != odd.data_ptr() and stride == 32
+    k, v, stride = _kv_rows(kv[:, 0], kv[:, 0].contiguous())  # K and V strides differ
+    assert k.is_contiguous() and v.is_contiguous() and stride == 16

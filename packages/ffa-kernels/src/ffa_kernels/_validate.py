@@ -101,14 +101,17 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Ten
     return q.contiguous(), _dense_rows(k), _dense_rows(v)
 
 
-def _dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when each row's ``(H, D)`` block is contiguous (rows any distance apart),
-    else a contiguous copy."""
+def has_dense_rows(t: torch.Tensor) -> bool:
+    """Whether each row's ``(H, D)`` block of the 3-D ``t`` is contiguous (rows any distance
+    apart, not overlapping): the K/V layout the kernels read in place."""
     _, h, d = t.shape
     st = t.stride()
-    if st[2] == 1 and (st[1] == d or h == 1) and st[0] >= h * d:
-        return t
-    return t.contiguous()
+    return st[2] == 1 and (st[1] == d or h == 1) and st[0] >= h * d
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it `has_dense_rows`, else a contiguous copy."""
+    return t if has_dense_rows(t) else t.contiguous()
 
 
 def _check_index_tensor(name: str, t: object, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from .._sink import sink_lse
-from .._validate import check_accumulator
+from .._validate import check_accumulator, has_dense_rows
 from .config import FwdConfig, default_config
 from .launcher import ACCUMULATOR_ALIGN, arg_spec, dsl_args, make_launcher
 from .plan import get_plan
@@ -236,30 +236,25 @@ def _check_accumulator(name: str, t: torch.Tensor, shape: tuple, device) -> None
         raise ValueError(f"{name}: data pointer must be {ACCUMULATOR_ALIGN[name]}-byte aligned")
 
 
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    # TMA and the compiled kernel assume 16-byte aligned bases
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(k, v, row stride in elements)`` as the kernel reads them: heads and D contiguous inside a
-    row, rows any multiple of 16 bytes apart (the same for K and V; packed K/V, e.g. views
-    ``kv[:, 0]`` / ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place), bases 16-byte
-    aligned. Anything else is copied to contiguous tensors first."""
-    _, hk, d = k.shape
+    """``(k, v, row stride in elements)`` as the kernel reads them: dense rows (`has_dense_rows`)
+    a multiple of 16 bytes apart, the same for K and V (packed K/V, e.g. views ``kv[:, 0]`` /
+    ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place), bases 16-byte aligned.
+    Anything else is copied to contiguous tensors first."""
+    hk, d = k.shape[1], k.shape[2]
+    stride = k.stride(0)
 
     def readable(t: torch.Tensor) -> bool:
-        st = t.stride()
-        return (
-            st[2] == 1
-            and (st[1] == d or hk == 1)
-            and st[0] >= hk * d
-            and st[0] * t.element_size() % 16 == 0
-            and st[0] < 2**31
-            and t.data_ptr() % 16 == 0
-        )
+        return has_dense_rows(t) and stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
-    if k.stride(0) == v.stride(0) and readable(k) and readable(v):
-        return k, v, k.stride(0)
-    k, v = k.contiguous(), v.contiguous()
-    k = k if k.data_ptr() % 16 == 0 else k.clone()
-    v = v if v.data_ptr() % 16 == 0 else v.clone()
-    return k, v, hk * d
+    if v.stride(0) == stride and stride < 2**31 and readable(k) and readable(v):
+        return k, v, stride
+    return _aligned16(k.contiguous()), _aligned16(v.contiguous()), hk * d
 
 
 def _launch(
@@ -274,8 +269,7 @@ def _launch(
     total_k, hk, _ = k.shape
     has_softcap = softcap > 0.0
     fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate)
-    # TMA and the compiled kernel assume 16-byte aligned bases
-    q = q if q.data_ptr() % 16 == 0 else q.clone()
+    q = _aligned16(q)
     k, v, kv_row_stride = _kv_rows(k, v)
     if has_softcap:  # tanh(premul * s) * softcap, then exp2 with softcap * log2(e)
         scale_log2 = softcap * _LOG2_E
