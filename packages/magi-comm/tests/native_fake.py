@@ -24,6 +24,8 @@ import types
 import native_sim
 import torch
 
+from magi_comm.backends._native_layout import apply_blocks
+
 TIMEOUT = 30.0
 
 
@@ -158,29 +160,34 @@ def modules(world: FakeWorld) -> dict[str, types.ModuleType]:
 # kernels on raw addresses
 
 
+def _words_at(addr: int, nwords: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat ``dtype`` tensor over ``nwords`` words of host memory at ``addr`` (no copy)."""
+    if nwords <= 0:
+        return torch.empty(0, dtype=dtype)
+    nbytes = nwords * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=dtype)
+
+
 class CopyLaunch:
-    """The backend's per-layout launch object: the copy kernel's reference on raw addresses."""
+    """The backend's per-layout launch object: `apply_blocks` (the copy kernel's reference) on
+    raw addresses, each viewed as far as the table writes or reads it."""
 
     def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0):
-        self.table, self.peers = table, peers
-        self.word = torch.empty(0, dtype=dtype).element_size()
+        self.table, self.peers, self.dtype = table, peers, dtype
 
     def __call__(self, src, sink, stream=None):
-        table, peers, w = self.table, self.peers, self.word
-        W = len(peers)
-        bw = table.block_words
-        for b in range(table.num_blocks):
-            t = int(table.blk_task[b])
-            start = int(table.blk_start[b])
-            n = min(bw, int(table.task_len[t]) - start)
-            s0 = int(table.task_src[t]) + start
-            for c in range(W + 1):
-                off = int(table.task_dst[t, c])
-                if off < 0:
-                    continue
-                base = sink if c == W else peers[c]
-                assert base, f"block {b} writes column {c} without an address"
-                ctypes.memmove(base + (off + start) * w, src + s0 * w, n * w)
+        table, W = self.table, len(self.peers)
+        if table.num_blocks == 0:
+            return
+        ends = table.task_dst + table.task_len[:, None]
+        reach = torch.where(table.task_dst >= 0, ends, 0).amax(0).tolist()  # words per column
+        for c in range(W):
+            assert reach[c] == 0 or self.peers[c], f"the table writes column {c} without an address"
+        views = [_words_at(self.peers[c], reach[c], self.dtype) if reach[c] else None for c in range(W)]
+        src_words = int((table.task_src + table.task_len).max())
+        apply_blocks(
+            table, _words_at(src, src_words, self.dtype), _words_at(sink, reach[W], self.dtype), views, W
+        )
 
 
 def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
