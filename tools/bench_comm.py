@@ -16,7 +16,9 @@ CUDA events, after warm-up). The same bytes define the raw limits:
   (copy engine over NVLink, the physical limit ~380 GB/s per H200 with both pushing);
 * ``raw kernel``: the native copy kernel storing S MiB into a peer (SM stores over NVLink).
 
-Before timing, native and a2av outputs are compared bitwise. Prints one line per measurement
+``cast-sym`` is the native cast into an output from ``GroupCollective.empty_output`` (symmetric
+heap: direct mode, peers write the rows straight into it). Before timing, native (both
+outputs) and a2av outputs are compared bitwise. Prints one line per measurement
 and a final markdown table (rank 0).
 """
 
@@ -105,7 +107,9 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
         print(f"host path: {host:.1f} us per call\n{buf.getvalue()}", flush=True)
 
 
-def peer_push(state, rank: int, world: int, words: int, block_words: int, dev, fenced: bool = True):
+def peer_push(
+    state, rank: int, world: int, words: int, block_words: int, dev, fenced: bool = True, num_warps: int = 8
+):
     """A copy-kernel launch (built once) that pushes ``words`` int64 words from a source address
     to the next rank's symmetric buffer: call it as ``launch(src_address, 0, stream)``."""
     from magi_comm.backends._native_kernels import CopyLaunch
@@ -119,7 +123,25 @@ def peer_push(state, rank: int, world: int, words: int, block_words: int, dev, f
     table = to_blocks(
         TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([words]), dst_rows), 1, block_words
     )
-    return CopyLaunch(table.to(dev), peer_addr, torch.int64, vec=2, fence=state.fence_addr if fenced else 0)
+    fence = state.fence_addr if fenced else 0
+    return CopyLaunch(table.to(dev), peer_addr, torch.int64, vec=2, fence=fence, num_warps=num_warps)
+
+
+def sweep_kernel(nat, rank: int, world: int, dev, mib: float, iters: int = 20) -> None:
+    """GB/s of the raw copy kernel pushing ``mib`` MiB to the next rank, per block size and warp
+    count (rank 0 prints; the backend's setting is NativeConfig.block_bytes / num_warps)."""
+    state = nat._backend._state
+    nbytes = int(mib * (1 << 20)) // 16 * 16
+    x = torch.randn(nbytes // 2, device=dev).to(torch.bfloat16)
+    for block_bytes in (8192, 16384, 32768, 65536):
+        for warps in (4, 8, 16):
+            push = peer_push(state, rank, world, nbytes // 8, block_bytes // 8, dev, num_warps=warps)
+            sec = timed(lambda push=push: push(x.data_ptr(), 0, None), iters, 3)
+            if rank == 0:
+                print(f"kernel {mib:g} MiB block {block_bytes:6d} B warps {warps:2d}: "
+                      f"{sec * 1e6:8.1f} us {nbytes / sec / 1e9:7.1f} GB/s", flush=True)  # fmt: skip
+    torch.cuda.synchronize()
+    dist.barrier()
 
 
 def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
@@ -201,6 +223,11 @@ def run_size(
     nat.group_cast(x, out_n, ins, outs, dst, src).wait()
     a2a.group_cast(x, out_a, ins, outs, dst, src).wait()
     ok_cast = torch.equal(out_n.view(torch.int16), out_a.view(torch.int16))
+    # direct mode: the output lives in the symmetric heap, peers write straight into it
+    out_d = nat.empty_output((sum(outs), *ROW), torch.bfloat16)
+    out_d.fill_(float("nan"))
+    nat.group_cast(x, out_d, ins, outs, dst, src).wait()
+    ok_cast &= torch.equal(out_d.view(torch.int16), out_a.view(torch.int16))
     part = torch.randn((sum(outs), *ROW), device=dev, generator=g).to(torch.bfloat16)
     acc0 = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
     red_n, red_a = acc0.clone(), acc0.clone()
@@ -220,6 +247,9 @@ def run_size(
     def cast_a():
         a2a.group_cast(x, out_a, ins, outs, dst, src)
 
+    def cast_d():
+        nat.group_cast(x, out_d, ins, outs, dst, src)
+
     red = acc0.clone()
 
     def reduce_n():
@@ -229,13 +259,20 @@ def run_size(
         a2a.group_reduce(part, red, outs, ins, src, dst)
 
     if profile:
-        for name, fn in (("native cast", cast_n), ("a2av cast", cast_a), ("native reduce", reduce_n)):
+        for name, fn in (
+            ("native cast", cast_n),
+            ("native cast-sym", cast_d),
+            ("a2av cast", cast_a),
+            ("native reduce", reduce_n),
+        ):
             if rank == 0:
                 print(f"== {name} {mib:.0f} MiB", flush=True)
             host_profile(fn, rank)
             trace(fn, rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
+        nat.free_output(out_d)
         return
     log("cast", mib, "native", timed(cast_n, iters, 3), cross)
+    log("cast-sym", mib, "native", timed(cast_d, iters, 3), cross)
     log("cast", mib, "a2av", timed(cast_a, iters, 3), cross)
     log("reduce", mib, "native", timed(reduce_n, iters, 3), cross)
     log("reduce", mib, "a2av", timed(reduce_a, iters, 3), cross)
@@ -262,6 +299,7 @@ def run_size(
         log("raw", mib, "kernel", timed(raw_kernel, iters, 3), nbytes)
         torch.cuda.synchronize()
         dist.barrier()
+    nat.free_output(out_d)
 
 
 def main() -> int:
@@ -269,6 +307,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,16,64", help="MiB sent by each rank to the others")
     ap.add_argument("--iters", type=int, default=0, help="0 = by size")
     ap.add_argument("--signal-latency", action="store_true", help="time the native signal/copy steps alone")
+    ap.add_argument(
+        "--sweep-kernel", action="store_true", help="raw copy kernel GB/s per block size and warps, no timing"
+    )
     ap.add_argument(
         "--profile-host", action="store_true", help="host time per call and its cProfile, no timing"
     )
@@ -300,18 +341,24 @@ def main() -> int:
     if args.signal_latency:
         signal_latency(nat, rank, world, dev)
         sizes = []
+    if args.sweep_kernel:
+        for mib in sizes:
+            sweep_kernel(nat, rank, world, dev, mib)
+        sizes = []
     for mib in sizes:
         run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host)
 
     if rank == 0 and results:
         by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
         print(f"\n## magi-comm GroupCast / GroupReduce, {world} x {torch.cuda.get_device_name()}")
-        print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer\n")
+        print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer;")
+        print("cast-sym: the output from empty_output (symmetric heap: direct mode, no receive copy)\n")
         print("| op | MiB | native | a2av | native/a2av | raw copy | raw kernel | native/raw copy |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for op in ("cast", "reduce"):
+        for op in ("cast", "cast-sym", "reduce"):
             for mib in sizes:
-                n, a = by.get((op, mib, "native")), by.get((op, mib, "a2av"))
+                # a2av has no symmetric outputs: its empty_output is torch.empty, the same cast
+                n, a = by.get((op, mib, "native")), by.get((op.removesuffix("-sym"), mib, "a2av"))
                 rc, rk = by.get(("raw", mib, "copy")), by.get(("raw", mib, "kernel"))
                 f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
                 ratio = "-" if not (n and a) else f"{n / a:.2f}x"

@@ -10,7 +10,8 @@ A. default buffer:
       lse with and without acc_reduce, async, debug mode) through the native backend against
       the brute-force oracles;
    2. larger layouts with 16-byte aligned rows (vectorized kernel path), every case through
-      native AND a2av: cast native == a2av == oracle bitwise; reduce sum/avg native == a2av ==
+      native AND a2av: cast native == a2av == oracle bitwise, and native into a symmetric
+      output (direct mode; on some ranks, at a row offset, mixed with plain outputs) == oracle; reduce sum/avg native == a2av ==
       oracle bitwise; lse native == a2av bitwise and close to the float64 oracle; reduce
       determinism: 3 native runs bitwise equal;
    3. several async casts in flight, then waited in reverse order.
@@ -94,9 +95,23 @@ def compare_cast(lib, nat, a2a, case, dtype, tally: Tally, rank: int, world: int
         out = torch.full((rows, *case["row_shape"]), 7, dtype=dtype, device=device)
         gc.group_cast(x, out, ins, outs, dst, src).wait()
         res[name] = out.cpu()
+    # direct mode: an output in the symmetric heap (collective allocation); per case and rank
+    # some ranks cast into it (at row 0 or 1 of it) and others into a plain tensor: mixed modes
+    sym = nat.empty_output((rows + 1, *case["row_shape"]), dtype)
+    use = (case["seed"] + rank) % 3
+    out = torch.full((rows, *case["row_shape"]), 7, dtype=dtype, device=device)
+    if use:
+        out = sym[use - 1 : use - 1 + rows]
+        out.fill_(7)
+    nat.group_cast(x, out, ins, outs, dst, src).wait()
+    res["native-sym"] = out.cpu()
+    nat.free_output(sym)
     exp = lib.cast_oracle(lay, inputs, rank, res["native"])
     tally.record(f"{tag} cast native==oracle", _bitwise(res["native"], exp), f"{dtype} {case['row_shape']}")
     tally.record(f"{tag} cast native==a2av", _bitwise(res["native"], res["a2av"]), f"{dtype}")
+    tally.record(
+        f"{tag} cast native symmetric out==oracle", _bitwise(res["native-sym"], exp), f"{dtype} use={use}"
+    )
 
 
 def compare_reduce(lib, nat, a2a, case, dtype, op, acc, tally, rank, world, device, tag):

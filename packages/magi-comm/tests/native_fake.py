@@ -40,6 +40,10 @@ class FakeWorld:
         self.signals = 0
         self.waits = 0
         self.reduces = 0  # launches of the fused reduction kernel
+        self.puts = 0
+        self.puts_by = [0] * world
+        self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
+        self.gathered: list = [None] * world
 
     @property
     def pe(self) -> int:
@@ -84,6 +88,16 @@ class FakeWorld:
             self.signals += 1
             self.cond.notify_all()
 
+    def putmem_signal_on_stream(self, dest, source, nbytes, sig_addr, value, op, pe, stream):
+        idx, off = self._find(dest)
+        with self.cond:
+            target = self.heaps[pe][idx].view(-1).view(torch.uint8)
+            assert off + nbytes <= target.numel(), "put past the end of the symmetric object"
+            ctypes.memmove(target.data_ptr() + off, source, nbytes)
+            self.puts += 1
+            self.puts_by[self.pe] += 1
+        self.signal_op_on_stream(sig_addr, value, op, pe, stream)
+
     def signal_wait_until_on_stream(self, addr, cmp, value, stream):
         idx, off = self._find(addr)
         assert cmp == ComparisonType.CMP_GE
@@ -97,6 +111,14 @@ class FakeWorld:
         self.barrier.wait()
 
     # -- bootstrap -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor, op=None, group=None):
+        assert op == "max", op
+        self.gathered[self.pe] = tensor.clone()
+        self.barrier.wait()
+        out = torch.stack(self.gathered).amax(0)
+        self.barrier.wait()
+        tensor.copy_(out)
 
     def broadcast_object_list(self, box, src=0, group=None):
         self.barrier.wait()
@@ -131,6 +153,7 @@ def modules(world: FakeWorld) -> dict[str, types.ModuleType]:
     core.ComparisonType = ComparisonType
     bindings = types.ModuleType("nvshmem.bindings")
     bindings.signal_op_on_stream = world.signal_op_on_stream
+    bindings.putmem_signal_nbi_on_stream = world.putmem_signal_on_stream
     bindings.signal_wait_until_on_stream = world.signal_wait_until_on_stream
     bindings.barrier_all_on_stream = world.barrier_all_on_stream
     pkg = types.ModuleType("nvshmem")
@@ -170,15 +193,43 @@ def _words_at(addr: int, nwords: int, dtype: torch.dtype) -> torch.Tensor:
 
 class CopyLaunch:
     """The backend's per-layout launch object: `apply_blocks` (the copy kernel's reference) on
-    raw addresses, each viewed as far as the table writes or reads it."""
+    raw addresses, each viewed as far as the table writes or reads it. With ``direct`` it reads
+    the peers' map headers and the output table at launch time, as the kernel does."""
 
-    def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0):
-        self.table, self.peers, self.dtype = table, peers, dtype
+    def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0, direct=None, world=None):
+        self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
+        self.world = world
+
+    def _direct_targets(self):
+        """Per peer column: (its output viewed as words, word offset of each pair split) for
+        peers whose header says direct mode, else None (the kernel's branch, on the host)."""
+        table, W = self.table, len(self.peers)
+        maps_addr, bases_addr, width = self.direct
+        maps = _words_at(maps_addr, W * width, torch.int64).view(W, width)
+        wb = torch.empty(0, dtype=self.dtype).element_size()
+        out = []
+        for c in range(W):
+            used = table.task_split[:, c] >= 0
+            hdr = int(maps[c, 0])
+            if hdr == 0 or not bool(used.any()):
+                out.append(None)
+                continue
+            base = int(_words_at(bases_addr, hdr * W, torch.int64)[(hdr - 1) * W + c])
+            nsplit = int(table.task_split[used, c].max()) + 1
+            entries = maps[c, 1 : 1 + nsplit]
+            assert bool((entries % wb == 0).all()), "split offsets must be whole words"
+            starts = entries // wb
+            ends = starts[table.task_split[used, c]] + table.task_within[used] + table.task_len[used]
+            out.append((_words_at(base, int(ends.max()), self.dtype), starts))
+            with self.world.cond:
+                self.world.direct_writes += 1
+        return out
 
     def __call__(self, src, sink, stream=None):
         table, W = self.table, len(self.peers)
         if table.num_blocks == 0:
             return
+        direct = self._direct_targets() if self.direct is not None and table.has_splits else None
         ends = table.task_dst + table.task_len[:, None]
         reach = torch.where(table.task_dst >= 0, ends, 0).amax(0).tolist()  # words per column
         for c in range(W):
@@ -186,7 +237,12 @@ class CopyLaunch:
         views = [_words_at(self.peers[c], reach[c], self.dtype) if reach[c] else None for c in range(W)]
         src_words = int((table.task_src + table.task_len).max())
         apply_blocks(
-            table, _words_at(src, src_words, self.dtype), _words_at(sink, reach[W], self.dtype), views, W
+            table,
+            _words_at(src, src_words, self.dtype),
+            _words_at(sink, reach[W], self.dtype),
+            views,
+            W,
+            direct,
         )
 
 
@@ -263,10 +319,13 @@ def install(monkeypatch, world: FakeWorld) -> None:
             world.reduces += 1
         launch_reduce(*args, **kwargs)
 
+    def copy_launch(*args, **kwargs):
+        return CopyLaunch(*args, **kwargs, world=world)
+
     monkeypatch.setattr(
         native,
         "_load_kernels",
-        lambda: types.SimpleNamespace(CopyLaunch=CopyLaunch, launch_reduce=counted_reduce),
+        lambda: types.SimpleNamespace(CopyLaunch=copy_launch, launch_reduce=counted_reduce),
     )
     monkeypatch.setattr(native, "_runtime_store", threading.local())
     monkeypatch.setattr(native._Runtime, "_lock", _PerThreadLock())
@@ -274,6 +333,8 @@ def install(monkeypatch, world: FakeWorld) -> None:
         get_process_group_ranks=lambda group: list(range(world.world)),
         get_global_rank=lambda group, r: r,
         broadcast_object_list=world.broadcast_object_list,
+        all_reduce=world.all_reduce,
+        ReduceOp=types.SimpleNamespace(MAX="max"),
     )
     monkeypatch.setattr(native, "dist", fake_dist)
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")

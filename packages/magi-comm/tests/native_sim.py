@@ -31,6 +31,10 @@ ROW_WORDS = 3
 
 
 def _copy(use_triton: bool):
+    """``run(table, src, sink, peers, world, direct=None)``: the copy kernel's reference, or the
+    Triton kernel. ``direct[c] = (peer c's output, word offset of each pair split)`` as for
+    :func:`apply_blocks`; the Triton path hands it to the kernel the way the backend does: a
+    map area ``[1 + allocation, byte offsets...]`` per peer and a table of allocation bases."""
     if not use_triton:
         return apply_blocks
 
@@ -38,16 +42,41 @@ def _copy(use_triton: bool):
 
     fence = torch.zeros(4, dtype=torch.int32)
 
-    def run(table, src, sink, peers, world):
+    def run(table, src, sink, peers, world, direct=None):
         addr = [None if p is None else p.data_ptr() for p in peers]
-        launch = CopyLaunch(table, addr, src.dtype, vec=1, num_warps=1, fence=fence.data_ptr())
+        args = None
+        if direct is not None:
+            width = 1 + max((len(x[1]) for x in direct if x is not None), default=0)
+            maps = torch.zeros((world, width), dtype=torch.int64)
+            bases = torch.zeros((1, world), dtype=torch.int64)
+            for c, x in enumerate(direct):
+                if x is not None:
+                    maps[c, 0] = 1  # allocation 0 of the table: the peer's output
+                    maps[c, 1 : 1 + len(x[1])] = torch.as_tensor(x[1]) * src.element_size()
+                    bases[0, c] = x[0].data_ptr()
+            run.keep = (maps, bases)
+            args = (maps.data_ptr(), bases.data_ptr(), width)
+        launch = CopyLaunch(table, addr, src.dtype, vec=1, num_warps=1, fence=fence.data_ptr(), direct=args)
         launch(src.data_ptr(), sink.data_ptr())
 
     return run
 
 
-def simulate(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False):
-    """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3)."""
+def _split_starts(plan, src: int) -> list[int]:
+    """Word offset in ``plan``'s output of each split its rank gets from ``src``, in pair order."""
+    starts = [0]
+    for n in plan.output_split_sizes:
+        starts.append(starts[-1] + n)
+    return [starts[j] * ROW_WORDS for j in plan.recv_split_ids[src]]
+
+
+def simulate(
+    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, direct_ranks=frozenset()
+):
+    """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3).
+
+    ``direct_ranks``: receivers of a cast whose output peers write straight into (direct mode:
+    no region, no receive copy)."""
     W = lay.world
     if kind == "cast":
         plans = [build_cast_plan(*lay.cast_args(r), r, W) for r in range(W)]
@@ -79,9 +108,17 @@ def simulate(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: b
             rnd = scheds[r].rounds[k]
             _check_send_targets(rnd.send, r, W, R)
             bt = to_blocks(rnd.send, ROW_WORDS, block_words)
-            copy(bt, inputs[r], sinks[r], [None if d == r else bufs[d] for d in range(W)], W)
+            peers = [None if d == r else bufs[d] for d in range(W)]
+            if direct_ranks:
+                direct = [
+                    (sinks[d], _split_starts(plans[d], r)) if d in direct_ranks and d != r else None
+                    for d in range(W)
+                ]
+                copy(bt, inputs[r], sinks[r], peers, W, direct)
+            else:
+                copy(bt, inputs[r], sinks[r], peers, W)
         for r in range(W):
-            if k >= scheds[r].num_rounds:
+            if k >= scheds[r].num_rounds or r in direct_ranks:
                 continue
             bt = to_blocks(scheds[r].rounds[k].recv, ROW_WORDS, block_words)
             copy(bt, bufs[r], sinks[r], [None] * W, W)
@@ -114,8 +151,10 @@ def expected(lay: lib.Layout, kind: str, inputs, plans):
     return [torch.cat(chunks[d]) if chunks[d] else inputs[d][:0] for d in range(W)]
 
 
-def check_layout(lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False) -> None:
-    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton)
+def check_layout(
+    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, direct_ranks=frozenset()
+) -> None:
+    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton, direct_ranks)
     exp = expected(lay, kind, inputs, plans)
     for d in range(lay.world):
         assert torch.equal(sinks[d], exp[d]), (kind, R, block_words, d, lay)
@@ -131,6 +170,10 @@ def main_triton(n: int = 12) -> None:
             check_layout(
                 lay, kind, R=rng.choice([1, 2, 3, 50]), block_words=rng.choice([2, 4, 16]), use_triton=True
             )
+        direct = frozenset(r for r in range(world) if rng.random() < 0.6)
+        check_layout(
+            lay, "cast", R=rng.choice([1, 3, 50]), block_words=4, use_triton=True, direct_ranks=direct
+        )
     print("native_sim triton ok", file=sys.stderr)
 
 

@@ -26,6 +26,10 @@ def _cases(world: int, seed: int, n: int, big: bool):
         case = {"layout": lay, "seed": seed * 1000 + k, "row_shape": row, "async": rng.random() < 0.3}
         if k % 2 == 0:
             case.update(kind="cast", dtype=rng.choice(["float32", "bfloat16", "int16", "bool", "int64"]))
+            # symmetric outputs: which ranks cast into one (direct mode), at which row offset
+            case.update(
+                direct=rng.random() < 0.6, direct_bits=rng.randrange(1 << world), lead=rng.choice([0, 0, 1])
+            )
         else:
             op = rng.choice(["sum", "avg", "lse"])
             case.update(kind="reduce", op=op, acc=rng.random() < 0.5)
@@ -42,11 +46,21 @@ def _run_cast(be, case, rank, world):
     ins, outs, dst, src = lay.cast_args(rank)
     plan = build_cast_plan(ins, outs, dst, src, rank, world)
     out = torch.zeros((sum(outs), *case["row_shape"]), dtype=dtype)
-    if case["async"] and out.dim() > 1 and out.shape[0] > 1:
+    sym = None
+    if case.get("direct"):
+        # collective; every rank allocates, the ranks in direct_bits cast into it (a row range
+        # starting `lead` rows in: not 16-byte aligned for small rows, then regions are used)
+        sym = be.empty_output((sum(outs) + 1, *case["row_shape"]), dtype)
+        if case["direct_bits"] >> rank & 1:
+            out = sym[case["lead"] : case["lead"] + sum(outs)]
+            out.fill_(0)
+    elif case["async"] and out.dim() > 1 and out.shape[0] > 1:
         out = out.t().contiguous().t() if out.dim() == 2 else out  # non-contiguous output
     be.group_cast(inputs[rank], out, plan, case["async"]).wait()
     exp = lib.cast_oracle(lay, inputs, rank, out)
     assert torch.equal(out, exp), (rank, case)
+    if sym is not None:
+        be.free_output(sym)
 
 
 def _run_reduce(be, case, rank, world):
@@ -102,8 +116,80 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused):
 
     native_fake.run_ranks(fw, rank_fn)
     if world > 1:
-        assert fw.signals > 0 and fw.waits > 0
+        assert fw.signals > 0 and fw.waits > 0 and fw.puts > 0
+        assert fw.direct_writes > 0  # some casts went straight into peers' outputs
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
+
+
+def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
+    """Casts of one plan into symmetric outputs A, B and a plain one, in the order A A B A C A:
+    the map of A is put once, not again for the repeat, and again after B (the sources hold
+    B's map then); every result equals the oracle."""
+    world = 3
+    fw = native_fake.FakeWorld(world)
+    native_fake.install(monkeypatch, fw)
+    # every rank sends three splits to every rank (itself too), interleaved in the outputs
+    rng = random.Random(5)
+    lay = lib._complete(rng, world, [[2, 3, 1]] * world, [[rng.sample(range(world), world)] * 3] * world)
+    case = {"layout": lay, "seed": 77, "row_shape": (4,)}
+
+    def rank_fn(rank):
+        ins, outs, dst, src = lay.cast_args(rank)
+        plan = build_cast_plan(ins, outs, dst, src, rank, world)
+        rows = (sum(outs), 4)
+        with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
+            outputs = {"A": be.empty_output(rows, torch.float32), "B": be.empty_output(rows, torch.float32)}
+            outputs["C"] = torch.zeros(rows)
+            sources = sum(1 for s in range(world) if s != rank and plan.recv_counts[s] > 0)
+            assert sources == world - 1
+            for step, name in enumerate("AABACA"):
+                before = fw.puts_by[rank]
+                inputs = [
+                    lib.rank_data(case, r, sum(lay.in_sizes[r]), torch.float32, salt=step)
+                    for r in range(world)
+                ]
+                out = outputs[name]
+                out.fill_(-1)
+                be.group_cast(inputs[rank], out, plan, False).wait()
+                assert torch.equal(out, lib.cast_oracle(lay, inputs, rank, out)), (rank, step, name)
+                if step == 1:
+                    assert fw.puts_by[rank] == before  # A again: the sources still hold A's map
+                elif step in (2, 3):
+                    assert fw.puts_by[rank] == before + sources  # a new map for every source
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+
+
+def test_symmetric_outputs(monkeypatch):
+    """empty_output: shapes may differ per rank, tensors are freed collectively (explicitly or
+    by close), bad frees are refused, and the slot limit names its setting."""
+    fw = native_fake.FakeWorld(2)
+    native_fake.install(monkeypatch, fw)
+
+    def rank_fn(rank):
+        cfg = NativeConfig(buffer_bytes=1 << 20, max_outputs=2)
+        be = NativeBackend("group", rank, 2, cfg)
+        a = be.empty_output((3 + rank, 4), torch.float32)
+        assert a.shape == (3 + rank, 4) and a.dtype == torch.float32
+        assert be._state.output_index(a[1:]) == be._state.output_index(a) is not None
+        assert be._state.output_index(torch.zeros(3)) is None
+        b = be.empty_output((5,), torch.bfloat16)
+        with pytest.raises(RuntimeError, match="max_outputs"):
+            be.empty_output((1,), torch.int8)
+        with pytest.raises(ValueError, match="empty_output"):
+            be.free_output(a[1:])
+        with pytest.raises(ValueError, match="negative"):
+            be.empty_output((-1,), torch.float32)
+        be.free_output(a)
+        with pytest.raises(ValueError, match="freed"):
+            be.free_output(a)
+        c = be.empty_output((2,), torch.int8)  # reuses the freed slot
+        assert c.numel() == 2 and b.numel() == 5
+        be.close()  # frees b and c collectively
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
 
 
 def test_second_group_is_refused(monkeypatch):

@@ -53,12 +53,42 @@ def test_simulated_transport_matches_oracle(world, seed, kind, R, block_words):
     native_sim.check_layout(lay, kind, R, block_words)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+    direct_bits=st.integers(0, 31),
+    R=st.sampled_from([1, 2, 3, 1000]),
+    block_words=st.sampled_from([1, 4, 64]),
+)
+def test_simulated_direct_cast_matches_oracle(world, seed, direct_bits, R, block_words):
+    """Receivers in direct mode (peers write straight into their output, split by split) and
+    receivers on regions, mixed in one call, with rounds."""
+    lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
+    direct = frozenset(r for r in range(world) if direct_bits >> r & 1)
+    native_sim.check_layout(lay, "cast", R, block_words, direct_ranks=direct)
+
+
+def test_cast_tasks_stay_inside_input_splits():
+    """Two input splits that are adjacent everywhere still make two tasks in a cast's send
+    table (a peer's output may place them apart), each with its split index per peer."""
+    plan = build_cast_plan([2, 3], [2, 3], [[1], [1]], [1, 1], 0, 2)
+    send = build_schedule(plan, 100, SINK_SCATTER).rounds[0].send
+    assert send.nrows.tolist() == [2, 3]
+    assert send.split_idx[:, 1].tolist() == [0, 1] and (send.split_idx[:, 0] == -1).all()
+    assert send.within.tolist() == [0, 0]
+    reduce_plan = build_reduce_plan([2, 3], [2, 3], [1, 1], [[1], [1]], 0, 2)
+    rsend = build_schedule(reduce_plan, 100, SINK_CONCAT).rounds[0].send
+    assert rsend.nrows.tolist() == [5] and rsend.split_idx is None  # reduces keep maximal runs
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_special_layouts(world):
     for lay in lib.special_layouts(world):
         for kind in ("cast", "reduce"):
             for R in (1, 2, 100):
                 native_sim.check_layout(lay, kind, R, block_words=2)
+            native_sim.check_layout(lay, "cast", R=2, block_words=2, direct_ranks=frozenset(range(world)))
 
 
 def test_true_cast_reads_each_range_once():

@@ -276,6 +276,39 @@ def test_group_collective_lifecycle():
     gc.close()  # idempotent
 
 
+def test_empty_output_falls_back_to_plain_tensors():
+    """a2av has no symmetric outputs: empty_output is torch.empty, free_output a no-op; a
+    backend that has them gets the calls."""
+    with GroupCollective() as gc:
+        out = gc.empty_output((3, 2), torch.float64)
+        assert out.shape == (3, 2) and out.dtype == torch.float64 and out.device.type == "cpu"
+        gc.group_cast(x(3, 2).double(), out, [3], [3], [[0]], [0])
+        assert torch.equal(out, x(3, 2).double())
+        gc.free_output(out)
+    calls = []
+
+    class WithOutputs:
+        name = "with-outputs"
+
+        def __init__(self, group, rank, world_size):
+            pass
+
+        def empty_output(self, shape, dtype):
+            calls.append(("empty", tuple(shape), dtype))
+            return torch.zeros(shape, dtype=dtype)
+
+        def free_output(self, tensor):
+            calls.append(("free", tuple(tensor.shape)))
+
+        def close(self):
+            pass
+
+    magi_comm.register_backend("with-outputs-test", WithOutputs)
+    with GroupCollective(backend="with-outputs-test") as gc:
+        gc.free_output(gc.empty_output((4,), torch.int8))
+    assert calls == [("empty", (4,), torch.int8), ("free", (4,))]
+
+
 def test_default_instance_is_shared_and_replaced_after_close():
     a = magi_comm.get_group_collective()
     assert magi_comm.get_group_collective(None, "a2av") is a

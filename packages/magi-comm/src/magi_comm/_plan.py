@@ -70,6 +70,11 @@ class _PlanBase:
     recv_signatures: tuple[PairSignature, ...]
     # int64 CPU row index: send buffer row k = input row gather_index[k]; None = identity.
     gather_index: torch.Tensor | None
+    # The split structure (a native backend writes straight into a peer's output split by split):
+    input_split_sizes: tuple[int, ...]
+    output_split_sizes: tuple[int, ...]
+    send_split_ids: tuple[tuple[int, ...], ...]  # per peer: the input splits it gets, in order
+    recv_split_ids: tuple[tuple[int, ...], ...]  # per peer: the output splits it fills, in order
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -295,6 +300,10 @@ def _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs) -> dic
         send_signatures=tuple(PairSignature.of(x) for x in send_sizes),
         recv_signatures=tuple(PairSignature.of(x) for x in recv_sizes),
         gather_index=gather,
+        input_split_sizes=tuple(in_sizes),
+        output_split_sizes=tuple(out_sizes),
+        send_split_ids=tuple(tuple(x) for x in sends),
+        recv_split_ids=tuple(tuple(x) for x in recvs),
     )
 
 

@@ -182,6 +182,32 @@ class GroupCollective:
             raise RuntimeError("magi_comm: this GroupCollective is closed")
         return self._backend
 
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def empty_output(
+        self, shape, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Collective: an uninitialized ``shape`` / ``dtype`` tensor to receive group_cast rows in.
+
+        With the native backend it lives in the NVSHMEM symmetric heap (on this rank's GPU;
+        ``device`` is ignored) and a group_cast into it, or into a contiguous 16-byte aligned
+        row range of it, skips the receive copy: peers write the rows straight into it. Shapes
+        may differ per rank. Other backends return ``torch.empty(shape, dtype=dtype,
+        device=device)``. Release it with :meth:`free_output` (collective); :meth:`close` frees
+        what is left.
+        """
+        backend = self._require_backend()
+        make = getattr(backend, "empty_output", None)
+        if make is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return make(shape, dtype)
+
+    def free_output(self, tensor: torch.Tensor) -> None:
+        """Collective: release a tensor from :meth:`empty_output` (a no-op for plain tensors)."""
+        free = getattr(self._require_backend(), "free_output", None)
+        if free is not None:
+            free(tensor)
+
     # ---- plans -----------------------------------------------------------------------------
 
     def _plan(self, kind: str, builder, in_sizes, out_sizes, dst, src, dst_nested: bool, rows=(None, None)):

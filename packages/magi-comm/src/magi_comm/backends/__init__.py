@@ -50,7 +50,12 @@ class BackendUnavailableError(RuntimeError):
 
 @runtime_checkable
 class CommBackend(Protocol):
-    """What a transport must provide. Plans and tensors arrive already validated."""
+    """What a transport must provide. Plans and tensors arrive already validated.
+
+    Optional: ``empty_output(shape, dtype)`` / ``free_output(tensor)`` (collective), outputs the
+    transport can write into faster (the native backend's symmetric outputs); without them
+    :meth:`magi_comm.GroupCollective.empty_output` hands out plain tensors.
+    """
 
     name: str
 

@@ -2,10 +2,12 @@
 
 One kernel serves every data movement of the backend: a block of a :class:`BlockTable` loads
 ``block_words`` words of one task from ``src`` ONCE and stores them to every destination of
-the task: the peers' receive regions (through their NVLink-mapped symmetric buffers, passed as
-up to 8 pointer arguments) and/or the local sink. Used for
+the task: the peers' receive regions (through their NVLink-mapped symmetric buffers, a table of
+up to 8 addresses) and/or the local sink. Used for
 
-* the send step (``src`` = input, destinations = peer regions + the sink for rows sent to self);
+* the send step (``src`` = input, destinations = peer regions + the sink for rows sent to self;
+  for a cast, a peer that published a map of its output in the symmetric heap gets the rows
+  straight into that output instead: the backend's direct mode);
 * the receive step (``src`` = the local symmetric buffer, destination = the sink).
 
 Words are 1, 2, 4 or 8 bytes (:func:`magi_comm.backends._native_layout.word_size`); ``VEC`` is
@@ -54,30 +56,57 @@ def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, val
 
 
 @triton.jit
+def _put_peer(
+    anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W: tl.constexpr, COL: tl.constexpr,
+    start, offs, vals, mask, VEC: tl.constexpr, DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr,
+):  # fmt: skip
+    # Peer COL's region in its receive buffer, unless the peer published a map of its output
+    # (header > 0 = 1 + the symmetric allocation holding it): then straight into its output.
+    # Addresses from tables become word offsets from ``anchor`` (a 16-byte aligned argument):
+    # the compiler knows the alignment of the argument and of the offset (multiple_of), so the
+    # stores stay 16-byte vectors; a pointer loaded from memory would lose that.
+    off = tl.load(task_dst + t * (W + 1) + COL)
+    if off >= 0:
+        target = tl.load(peers + COL)
+        if DIRECT:
+            row = maps.to(tl.pointer_type(tl.int64)) + COL * MAPW
+            hdr = tl.load(row)
+            if hdr > 0:
+                j = tl.load(task_split + t * W + COL)
+                entry = tl.load(row + 1 + j)  # bytes from the allocation's start to the split's
+                target = tl.load(alloc_base.to(tl.pointer_type(tl.int64)) + (hdr - 1) * W + COL) + entry
+                off = tl.load(task_within + t)
+        off = tl.multiple_of((target - anchor) // WB + off + start, VEC)
+        tl.store(anchor.to(tl.pointer_type(vals.dtype)) + off + offs, vals, mask=mask)
+
+
+@triton.jit
 def _copy_kernel(
     src,
     sink,
-    p0,
-    p1,
-    p2,
-    p3,
-    p4,
-    p5,
-    p6,
-    p7,
+    anchor,
+    peers,
     blk_task,
     blk_start,
     task_src,
     task_len,
     task_dst,
+    task_split,
+    task_within,
+    maps,
+    alloc_base,
     fence,
     DT: tl.constexpr,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     FENCE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    MAPW: tl.constexpr,
+    WB: tl.constexpr,
 ):
-    # src / sink / p0..p7 are addresses (int64): symmetric-heap and NVLink-mapped peer memory is
+    # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
+    # peer's region area, NVLink-mapped) are addresses: symmetric-heap and peer memory is
     # addressed through plain integers, as in the verified peer-store recipe.
     b = tl.program_id(0)
     t = tl.load(blk_task + b).to(tl.int64)
@@ -88,22 +117,9 @@ def _copy_kernel(
     s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
     vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
     _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
-    if W > 0:
-        _put(p0, task_dst, t, W, 0, start, offs, vals, mask, VEC)
-    if W > 1:
-        _put(p1, task_dst, t, W, 1, start, offs, vals, mask, VEC)
-    if W > 2:
-        _put(p2, task_dst, t, W, 2, start, offs, vals, mask, VEC)
-    if W > 3:
-        _put(p3, task_dst, t, W, 3, start, offs, vals, mask, VEC)
-    if W > 4:
-        _put(p4, task_dst, t, W, 4, start, offs, vals, mask, VEC)
-    if W > 5:
-        _put(p5, task_dst, t, W, 5, start, offs, vals, mask, VEC)
-    if W > 6:
-        _put(p6, task_dst, t, W, 6, start, offs, vals, mask, VEC)
-    if W > 7:
-        _put(p7, task_dst, t, W, 7, start, offs, vals, mask, VEC)
+    for c in tl.static_range(W):
+        _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs, vals,
+                  mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
     if FENCE:
         # Make this program's peer stores visible system-wide before the kernel can complete
         # (and hence before the stream-ordered NVSHMEM ready signal): CTA barrier, then one
@@ -188,31 +204,44 @@ class CopyLaunch:
     Args:
         table: block table on the device (word offsets).
         peers: ``W`` addresses of peer ``c``'s region area (NVLink-mapped); None where no
-            task writes.
+            task writes (at most ``MAX_PEERS``).
         dtype: the word dtype (torch.int64 / int32 / int16 / uint8).
         vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1.
         num_warps: warps per program.
         fence: address of a local int32 counter; when given and a peer is written, every
             program ends with a system-scope release on it (peer stores visible before the
             kernel completes).
+        direct: ``(maps, alloc_base, map_width)`` for a send table with split indices (a
+            cast): ``maps`` is the address of the int64 ``(W, map_width)`` area where each
+            peer publishes ``[header, split starts...]`` before the launch, ``alloc_base`` the
+            address of the int64 ``(allocations, W)`` table of peers' symmetric allocations
+            (see the backend's direct mode). None: regions only.
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
-                 num_warps: int = 8, fence: int = 0) -> None:  # fmt: skip
+                 num_warps: int = 8, fence: int = 0,
+                 direct: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
         self.grid = (table.num_blocks, 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
         self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
+        self.peer_table = torch.tensor(
+            [p or 0 for p in peers], dtype=torch.int64, device=table.blk_task.device
+        )
         self.fixed = (
-            *[p or self.filler for p in peers],
-            *[self.filler] * (MAX_PEERS - W),
+            self.filler,  # the anchor of peer addresses (see _put_peer)
+            self.peer_table,
             table.blk_task,
             table.blk_start,
             table.task_src,
             table.task_len,
             table.task_dst,
+            table.task_split,
+            table.task_within,
+            direct[0] if direct else self.filler,
+            direct[1] if direct else self.filler,
             fence or self.filler,
         )
         self.consts = dict(
@@ -221,6 +250,9 @@ class CopyLaunch:
             BLOCK=table.block_words,
             VEC=vec,
             FENCE=int(bool(fence) and any(p for p in peers)),
+            DIRECT=int(direct is not None and table.num_blocks > 0 and table.has_splits),
+            MAPW=direct[2] if direct else 1,
+            WB=torch.empty(0, dtype=dtype).element_size(),
         )
         self.num_warps = num_warps
         self.variant = _copy.variant(

@@ -15,7 +15,10 @@ in ``s``'s input order, equal to the rows ``d`` expects from ``s``, in ``d``'s o
 * the receiver ``d`` reads its ``q``-th row from ``s`` there and stores it to its *sink* row
   (the output row for group_cast, the concatenated receive row for group_reduce).
 
-No offsets are exchanged at run time. A region holds ``region_rows`` rows
+No offsets are exchanged for this. (A group_cast receiver in the backend's direct mode instead
+publishes, per call, where each pair split starts in its output; send tasks of a cast therefore
+stay inside one input split and carry its index among the pair's splits, see
+:class:`TaskTable`.) A region holds ``region_rows`` rows
 (:func:`region_rows`, from the capacity and the row size of the call); a pair that moves more
 rows than that is moved in several *rounds* (round ``k`` carries pair rows
 ``[k * R, (k + 1) * R)``), with the signal / acknowledgement protocol of the backend between
@@ -144,11 +147,19 @@ class TaskTable:
     """Copy tasks in rows. ``dst_row`` has ``W + 1`` columns (peers 0..W-1, then the sink); -1 = none.
 
     Shapes: ``src_row``/``nrows`` int64 ``(T,)``, ``dst_row`` int64 ``(T, W + 1)``.
+
+    Send tables of a group_cast also say where a task lies in the pair's splits, for peers that
+    take rows straight into their output (direct mode, see the backend): ``split_idx`` int64
+    ``(T, W)``, the index of the task's input split among the splits sent to peer ``c`` (-1 =
+    none), and ``within`` int64 ``(T,)``, the task's first row inside that split. A task never
+    crosses an input split then. None where no direct write can happen.
     """
 
     src_row: torch.Tensor
     nrows: torch.Tensor
     dst_row: torch.Tensor
+    split_idx: torch.Tensor | None = None
+    within: torch.Tensor | None = None
 
     @property
     def num_tasks(self) -> int:
@@ -164,12 +175,13 @@ class TaskTable:
         return TaskTable(z, z, torch.empty(0, world_size + 1, dtype=torch.int64))
 
 
-def _runs(src: torch.Tensor, dst: torch.Tensor) -> TaskTable:
+def _runs(src: torch.Tensor, dst: torch.Tensor, key: torch.Tensor | None = None) -> TaskTable:
     """Maximal runs of items that are consecutive in ``src`` and in every valid ``dst`` column.
 
-    ``src``: int64 ``(M,)`` source rows in item order; ``dst``: int64 ``(C, M)``, -1 = not sent.
-    A new run starts where the source jumps, the set of valid columns changes, or a valid
-    destination jumps.
+    ``src``: int64 ``(M,)`` source rows in item order; ``dst``: int64 ``(C, M)``, -1 = not sent;
+    ``key``: int64 ``(M,)`` or None, a value that must stay the same within a run. A new run
+    starts where the source jumps, the set of valid columns changes, a valid destination jumps
+    or the key changes. Returns the runs and the item index where each one starts.
     """
     m = int(src.numel())
     if m == 0:
@@ -180,6 +192,8 @@ def _runs(src: torch.Tensor, dst: torch.Tensor) -> TaskTable:
         same_cols = (valid[:, 1:] == valid[:, :-1]).all(0)
         dst_step = (~valid[:, 1:] | (dst[:, 1:] == dst[:, :-1] + 1)).all(0)
         cont[1:] = (src[1:] == src[:-1] + 1) & same_cols & dst_step
+        if key is not None:
+            cont[1:] &= key[1:] == key[:-1]
     starts = torch.nonzero(~cont).flatten()
     ends = torch.cat([starts[1:], torch.tensor([m])])
     return TaskTable(src[starts].clone(), ends - starts, dst[:, starts].t().contiguous())
@@ -234,6 +248,16 @@ def build_schedule(plan, rows_per_region: int, sink: str) -> Schedule:
     if gather is None:
         gather = torch.arange(plan.num_send_rows, dtype=torch.int64)
     scatter = getattr(plan, "scatter_index", None) if sink == SINK_SCATTER else None
+    # Casts keep each task inside one input split, with its split index per peer (direct mode).
+    split_of = within_of = pair_pos = None
+    if sink == SINK_SCATTER and n_in:
+        in_sizes = torch.tensor(plan.input_split_sizes, dtype=torch.int64)
+        split_of = torch.repeat_interleave(torch.arange(in_sizes.numel()), in_sizes, output_size=n_in)
+        within_of = torch.arange(n_in) - (torch.cumsum(in_sizes, 0) - in_sizes)[split_of]
+        pair_pos = torch.full((W, in_sizes.numel()), -1, dtype=torch.int64)
+        for d, ids in enumerate(plan.send_split_ids):
+            if d != r and ids:
+                pair_pos[d, list(ids)] = torch.arange(len(ids))
 
     def sink_rows(s: int, q: torch.Tensor) -> torch.Tensor:
         rows = recv_off[s] + q
@@ -265,7 +289,13 @@ def build_schedule(plan, rows_per_region: int, sink: str) -> Schedule:
             q = torch.arange(lo, min(hi, cnt), dtype=torch.int64)
             dst[d, stream[q]] = region_index(r, d) * R + (q - lo)
         items = torch.nonzero((dst >= 0).any(0)).flatten()
-        send = _runs(items, dst[:, items])
+        if split_of is None:
+            send = _runs(items, dst[:, items])
+        else:
+            send = _runs(items, dst[:, items], split_of[items])
+            at = send.src_row  # the first input row of each task
+            split_idx = torch.where(send.dst_row[:, :W] >= 0, pair_pos[:, split_of[at]].t(), -1)
+            send = TaskTable(send.src_row, send.nrows, send.dst_row, split_idx.contiguous(), within_of[at])
 
         srcs, sinks, recv_peers = [], [], []
         for s in range(W):
@@ -335,7 +365,9 @@ class BlockTable:
 
     ``blk_task`` int32 ``(B,)``, ``blk_start`` int64 ``(B,)`` (word offset inside the task),
     ``task_src``/``task_len`` int64 ``(T,)`` (words), ``task_dst`` int64 ``(T, W + 1)`` (word
-    offsets, -1 = none).
+    offsets, -1 = none); for direct writes ``task_split`` int64 ``(T, W)`` (the task's split
+    among the pair's splits, -1 = none) and ``task_within`` int64 ``(T,)`` (words from the
+    split's start to the task's).
     """
 
     blk_task: torch.Tensor
@@ -343,7 +375,14 @@ class BlockTable:
     task_src: torch.Tensor
     task_len: torch.Tensor
     task_dst: torch.Tensor
+    task_split: torch.Tensor
+    task_within: torch.Tensor
     block_words: int
+
+    @property
+    def has_splits(self) -> bool:
+        """Whether some task can go straight into a peer's output (a cast's send table)."""
+        return bool((self.task_split >= 0).any())
 
     @property
     def num_blocks(self) -> int:
@@ -361,6 +400,8 @@ class BlockTable:
             mv(self.task_src),
             mv(self.task_len),
             mv(self.task_dst),
+            mv(self.task_split),
+            mv(self.task_within),
             self.block_words,
         )
 
@@ -377,24 +418,40 @@ def to_blocks(table: TaskTable, row_words: int, block_words: int) -> BlockTable:
     blk_task = torch.repeat_interleave(torch.arange(nblk.numel(), dtype=torch.int64), nblk, output_size=total)
     first = torch.cumsum(nblk, 0) - nblk
     blk_start = (torch.arange(total, dtype=torch.int64) - first[blk_task]) * block_words
+    T, W = table.dst_row.shape[0], table.dst_row.shape[1] - 1
+    if table.split_idx is None:
+        task_split = torch.full((T, W), -1, dtype=torch.int64)
+        task_within = torch.zeros(T, dtype=torch.int64)
+    else:
+        task_split = table.split_idx.contiguous()
+        task_within = table.within * row_words
     return BlockTable(
         blk_task.to(torch.int32),
         blk_start,
         task_src,
         task_len,
         task_dst.contiguous(),
+        task_split,
+        task_within,
         block_words,
     )
 
 
 def apply_blocks(
-    table: BlockTable, src: torch.Tensor, sink: torch.Tensor, peers: list[torch.Tensor], world_size: int
+    table: BlockTable,
+    src: torch.Tensor,
+    sink: torch.Tensor,
+    peers: list[torch.Tensor],
+    world_size: int,
+    direct: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> None:
     """Reference implementation of the copy kernel on flat word tensors (tests, CPU).
 
     Block ``b`` copies ``src[task_src + start : ... + block_words]`` (clipped to the task) to
     ``peers[c][task_dst[t, c] + start ...]`` for every valid peer column and to ``sink`` for
-    column ``W``.
+    column ``W``. ``direct[c] = (target, split_start)`` (a peer in direct mode) replaces the
+    peer's region: the rows go to ``target[split_start[task_split[t, c]] + task_within[t] +
+    start ...]`` (word offsets), straight into that peer's output.
     """
     bw = table.block_words
     for b in range(table.num_blocks):
@@ -408,4 +465,7 @@ def apply_blocks(
             if off < 0:
                 continue
             target = sink if c == world_size else peers[c]
+            if c < world_size and direct is not None and direct[c] is not None:
+                target, split_start = direct[c]
+                off = int(split_start[int(table.task_split[t, c])]) + int(table.task_within[t])
             target[off + start : off + start + n] = vals

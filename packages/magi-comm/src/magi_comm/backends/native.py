@@ -19,14 +19,27 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
 * **Send.** One launch of the copy kernel per round and field: every input row range is loaded
   once and stored to each destination's receive region (peer stores over NVLink) and, for rows
   a rank sends itself, straight into the sink. No copy per destination.
-* **Completion by signals.** Per ordered pair (s, d) both ends count transfers (a round that
-  moves rows s -> d) in the same order, without talking. After its send kernel, s sets
-  ``ready[s]`` on d to the transfer number (``nvshmemx_signal_op_on_stream``, SET); d waits
-  ``ready[s] >= n`` on its stream (``signal_wait_until_on_stream``), copies the region into
-  the sink, then sets ``ack[d]`` on s. Before writing transfer n into d's region, s waits for
-  ``ack[d] >= n - 1``. All of it is stream-ordered: no host synchronization, no barrier per
-  call. Every wait depends only on work of an earlier round (or call) of another rank, so the
-  protocol cannot deadlock.
+* **Completion by signals.** Per ordered pair (s, d) both ends count calls and transfers (a
+  round that moves rows s -> d) in the same order, without talking. At the start of a call d
+  *arms* every source s it expects rows from: it sets ``arm[d]`` on s to the call number (for a
+  group_cast with ``nvshmemx_putmem_signal_nbi_on_stream``, which first writes d's map header,
+  see direct mode, unless s still holds the same map from an earlier call). Before its first send kernel of the call, s waits ``arm[d] >= n``: d's earlier
+  use of its region and of its output is over (stream order on d). After each send kernel, s
+  sets ``ready[s]`` on d to the transfer number (``signal_op_on_stream``, SET); d waits
+  ``ready[s] >= t`` on its stream (``signal_wait_until_on_stream``), copies the region into the
+  sink and, when the pair has another round in this call, sets ``ack[d]`` on s, which s waits
+  for before that round. All of it is stream-ordered: no host synchronization, no barrier per
+  call. Every rank arms before it waits, and every wait depends only on work another rank
+  enqueued earlier in the same or an earlier call, so the protocol cannot deadlock.
+* **Direct mode (group_cast into a symmetric output).** When a cast's output lies in a tensor
+  from :meth:`NativeBackend.empty_output` (symmetric heap, 16-byte aligned, at most
+  ``map_entries`` splits per peer), the receiver's arm carries a map, put into row d of the
+  sender's symmetric map area: ``[1 + allocation index, byte offset of each pair split in that
+  allocation]``. The send kernel reads the header and writes those rows straight into the
+  receiver's output (the allocation's NVLink-mapped base from a table every rank fills at
+  allocation time, the split's offset, the row inside the split): no region, no receive copy.
+  A receiver that is not in direct mode puts header 0 and the rows go through its region; the
+  sender's host path is the same either way, so ranks may choose differently in one call.
 * **Capacity.** A pair that moves more rows than a region holds is moved in rounds through the
   same buffer (logged once per layout). The buffer grows (collectively, with a log line) only
   when a single row does not fit: row size and dtype are the same on every rank, so all
@@ -85,7 +98,9 @@ ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_READY, _ACK = 0, 1
+_READY, _ACK, _ARM = 0, 1, 2
+_NUM_SIGNALS = 3
+_ALIGN_OUT = 256  # bytes; symmetric outputs are padded to this
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,10 @@ class NativeConfig:
             receive regions when every pair fits one region (``$MAGI_COMM_NATIVE_FUSED_REDUCE=0``
             turns it off: rows then go through the receive scratch and the shared torch
             reduction, like the staged path used for ``lse`` and for calls in rounds).
+        map_entries: most splits a receiver in direct mode takes from one peer in one
+            group_cast (its map of split offsets must fit the peer's map row); a call with more
+            goes through the receive regions.
+        max_outputs: most symmetric outputs (:meth:`NativeBackend.empty_output`) alive at once.
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -109,6 +128,8 @@ class NativeConfig:
     num_warps: int = 8
     growth_factor: float = 2.0
     fused_reduce: bool = True
+    map_entries: int = 8192
+    max_outputs: int = 64
 
     @staticmethod
     def from_env() -> NativeConfig:
@@ -252,15 +273,32 @@ class _GroupState:
         self.refcount = 0
         self.device = _device(rt.device)
         self.stream = torch.cuda.Stream(self.device)
-        self.sent = [0] * self.world  # transfers this rank made to each peer
-        self.recvd = [0] * self.world  # transfers this rank consumed from each peer
+        W = self.world
+        # Per-pair counters; both ends of a pair count alike without talking (see the docstring).
+        self.sent = [0] * W  # transfers this rank made to each peer (ready values)
+        self.recvd = [0] * W  # transfers this rank consumed from each peer
+        self.armed = [0] * W  # calls in which this rank armed each source
+        self.arms_seen = [0] * W  # calls in which this rank waited for each destination's arm
+        self.acks_sent = [0] * W  # between-round acknowledgements sent to each source
+        self.acks_seen = [0] * W  # ... awaited from each destination
+        self.map_sent = [-1] * W  # token of the map this rank last put to each source (0: header 0)
+        self.map_tokens = 0
         self.scratch: dict[str, torch.Tensor] = {}
         # target of the copy kernel's system-scope release (see _native_kernels)
         self.fence = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.fence_addr = self.fence.data_ptr()
         nvc = rt.nvc
-        self.sig = nvc.tensor((2 * self.world,), dtype=torch.int64)
+        self.sig = nvc.tensor((_NUM_SIGNALS * W,), dtype=torch.int64)
         self.sig.zero_()
+        # Direct mode: row d of the map area is where destination d puts its map for our sends;
+        # outputs[a] is symmetric output a, output_bases[a, c] its address as peer c's memory.
+        self.map_width = 1 + config.map_entries
+        self.maps = nvc.tensor((W * self.map_width,), dtype=torch.int64)
+        self.maps.zero_()
+        self.staged_header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.outputs: list[torch.Tensor | None] = [None] * config.max_outputs
+        self.output_spans: dict[int, tuple[int, int]] = {}  # live output index -> (start, end) address
+        self.output_bases = torch.zeros((config.max_outputs, W), dtype=torch.int64, device=self.device)
         self.capacity = 0
         self.buf: torch.Tensor | None = None
         self.peers: list[torch.Tensor] = []
@@ -306,11 +344,54 @@ class _GroupState:
         self._allocate(new)
 
     def close(self) -> None:
+        for a in sorted(self.output_spans):
+            self.free_output(a)
         self._free_buffer()
-        sig, self.sig = self.sig, None
-        if sig is not None:
-            self.rt.nvc.free_tensor(sig)
+        for name in ("sig", "maps"):
+            t = getattr(self, name)
+            setattr(self, name, None)
+            if t is not None:
+                self.rt.nvc.free_tensor(t)
         self.scratch.clear()
+
+    # -- symmetric outputs (direct mode) -------------------------------------------------------
+
+    def allocate_output(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Collective: a ``shape`` / ``dtype`` tensor at the start of a new symmetric allocation of
+        ``nbytes`` (the same on every rank, at least the tensor's size)."""
+        free = [a for a, t in enumerate(self.outputs) if t is None]
+        if not free:
+            raise RuntimeError(
+                f"magi_comm native: {len(self.outputs)} symmetric outputs are alive "
+                f"(NativeConfig.max_outputs); free some with free_output first"
+            )
+        a, nvc = free[0], self.rt.nvc
+        base = nvc.tensor((max(_ALIGN_OUT, -(-nbytes // _ALIGN_OUT) * _ALIGN_OUT),), dtype=torch.uint8)
+        bases = [_peer_path(nvc, base, self.rank, pe).data_ptr() for pe in range(self.world)]
+        self.output_bases[a] = torch.tensor(bases, dtype=torch.int64)
+        self.outputs[a] = base
+        self.output_spans[a] = (base.data_ptr(), base.data_ptr() + base.numel())
+        numel = torch.Size(shape).numel()
+        return base[: numel * torch.empty(0, dtype=dtype).element_size()].view(dtype).view(shape)
+
+    def output_index(self, t: torch.Tensor) -> int | None:
+        """Index of the symmetric output that holds all of ``t``'s bytes, or None."""
+        if not self.output_spans:
+            return None
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        for a, (start, end) in self.output_spans.items():
+            if start <= lo and hi <= end:
+                return a
+        return None
+
+    def free_output(self, a: int) -> None:
+        """Collective: free symmetric output ``a`` once every rank is done with every transfer."""
+        self._barrier()
+        base, self.outputs[a] = self.outputs[a], None
+        del self.output_spans[a]
+        self.output_bases[a] = 0
+        self.rt.nvc.free_tensor(base)
 
     # -- signals (stream-ordered on self.stream) --------------------------------------------
 
@@ -322,6 +403,27 @@ class _GroupState:
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_op_on_stream(
             self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
+        )
+
+    def arm(self, pe: int, value: int, header: tuple[int, int, int] | None) -> None:
+        """Set slot ``(ARM, self.rank)`` on ``pe`` to ``value`` once prior stream work is done;
+        with ``header = (address, nbytes, token)`` those local bytes first land in row
+        ``self.rank`` of ``pe``'s map area (one put-with-signal: the data is there before the
+        signal)."""
+        if header is None:
+            self.signal(_ARM, pe, value)
+            return
+        nvb, nvc = self.rt.nvb, self.rt.nvc
+        addr, nbytes, _ = header
+        nvb.putmem_signal_nbi_on_stream(
+            self.maps.data_ptr() + 8 * self.rank * self.map_width,
+            addr,
+            nbytes,
+            self._slot(_ARM, self.rank),
+            value,
+            int(nvc.SignalOp.SIGNAL_SET),
+            pe,
+            self.stream.cuda_stream,
         )
 
     def wait(self, kind: int, idx: int, value: int) -> None:
@@ -437,6 +539,31 @@ class NativeBackend:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def empty_output(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Collective: an uninitialized tensor of ``shape`` / ``dtype`` in the NVSHMEM symmetric
+        heap, on this rank's GPU. A group_cast into it (or into a contiguous, 16-byte aligned
+        row range of it) runs in direct mode: peers write the rows straight into it, without
+        the receive copy. Shapes may differ per rank (the allocation takes the largest). Free
+        it with :meth:`free_output` (collective) or let :meth:`close` free it."""
+        st = self._require()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"empty_output: dtype must be a torch.dtype, got {dtype!r}")
+        shape = tuple(int(x) for x in shape)
+        if any(x < 0 for x in shape):
+            raise ValueError(f"empty_output: shape must not have negative sizes, got {shape}")
+        n = torch.tensor([torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()],
+                         dtype=torch.int64, device=st.device)  # fmt: skip
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return st.allocate_output(int(n.item()), shape, dtype)
+
+    def free_output(self, tensor: torch.Tensor) -> None:
+        """Collective: free a tensor from :meth:`empty_output` (every rank passes its own)."""
+        st = self._require()
+        a = st.output_index(tensor)
+        if a is None or tensor.data_ptr() != st.output_spans[a][0]:
+            raise ValueError("free_output: tensor is not a tensor returned by empty_output (or was freed)")
+        st.free_output(a)
+
     def reserve(self, nbytes: int) -> None:
         """Collective: make the symmetric receive buffer at least ``nbytes`` bytes."""
         st = self._require()
@@ -504,6 +631,9 @@ class NativeBackend:
             sched = self._schedule(plan, R, sink_kind)
             per_field = []
             make, nw = self._kernels.CopyLaunch, self.config.num_warps
+            # a cast's sends read the peers' maps: they may write straight into peer outputs
+            direct = (st.maps.data_ptr(), st.output_bases.data_ptr(), st.map_width)
+            direct = direct if sink_kind == SINK_SCATTER else None
             # block tables go to the device on the group stream, ahead of the kernels reading them
             with torch.cuda.stream(st.stream):
                 for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
@@ -517,7 +647,9 @@ class NativeBackend:
                         recv = to_blocks(r.recv, rb // w, block_words).to(st.device, _to_device)
                         launches.append(
                             (
-                                make(send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr),
+                                make(
+                                    send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr, direct=direct
+                                ),
                                 make(recv, [None] * W, dt, vec=vec, num_warps=nw),
                             )
                         )
@@ -525,12 +657,15 @@ class NativeBackend:
             layout = plan._on_device[key] = (sched, per_field)
         return layout
 
-    def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None) -> None:
+    def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None, maps=None) -> None:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
         ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
         copies: it runs once every peer's rows are in the local regions (or at once when there
         is no round), before the acknowledgements release the regions.
+        ``maps`` (group_cast, direct mode): per source, ``(address, nbytes, token)`` of this
+        rank's map for it; peers then write straight into the sink and no receive copy runs. A
+        cast without maps puts header 0 (rows through the regions).
         """
         st = self._require()
         fields = [f for f in fields if f.row_bytes > 0]
@@ -548,11 +683,25 @@ class NativeBackend:
             (f.src.data_ptr(), f.sink.data_ptr(), base + off, runs)
             for f, (off, runs) in zip(fields, per_field)
         ]
-        stream = st.stream
-        for k, rnd in enumerate(sched.rounds):
+        stream, rounds = st.stream, sched.rounds
+        if rounds:  # arm every source first: a rank never waits before its own arms are out
+            staged = (st.staged_header.data_ptr(), 8, 0) if sink_kind == SINK_SCATTER else None
+            for s in rounds[0].recv_peers:
+                st.armed[s] += 1
+                header = maps[s] if maps is not None else staged
+                if header is not None and st.map_sent[s] == header[2]:
+                    header = None  # the source still holds this map (only we write our row there)
+                elif header is not None:
+                    st.map_sent[s] = header[2]
+                st.arm(s, st.armed[s], header)
+        for k, rnd in enumerate(rounds):
             for d in rnd.send_peers:
-                if st.sent[d] > 0:
-                    st.wait(_ACK, d, st.sent[d])  # d consumed our previous transfer
+                if k == 0:  # d's earlier use of its region and output is over
+                    st.arms_seen[d] += 1
+                    st.wait(_ARM, d, st.arms_seen[d])
+                else:  # d consumed our previous round
+                    st.acks_seen[d] += 1
+                    st.wait(_ACK, d, st.acks_seen[d])
             for src, sink, _local, runs in prepared:
                 runs[k][0](src, sink, stream)
             for d in rnd.send_peers:
@@ -562,14 +711,52 @@ class NativeBackend:
                 st.wait(_READY, s, st.recvd[s] + 1)
             if consume is not None:
                 consume()
-            else:
+            elif maps is None:
                 for _src, sink, local, runs in prepared:
                     runs[k][1](local, sink, stream)
+            later = rounds[k + 1].recv_peers if k + 1 < len(rounds) else ()
             for s in rnd.recv_peers:
                 st.recvd[s] += 1
-                st.signal(_ACK, s, st.recvd[s])
-        if consume is not None and not sched.rounds:
+                if s in later:
+                    st.acks_sent[s] += 1
+                    st.signal(_ACK, s, st.acks_sent[s])
+        if consume is not None and not rounds:
             consume()
+
+    def _direct_maps(self, plan: CastPlan, sink: torch.Tensor, rb: int):
+        """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): per source, the
+        ``(address, nbytes, token)`` of this rank's map for it (on the device, cached on the
+        plan; the token names the map's content, so an unchanged map is not put again); None
+        when ``sink`` is not in a symmetric output, not 16-byte aligned, or a source sends more
+        than ``map_entries`` splits."""
+        st = self._require()
+        a = st.output_index(sink)
+        if a is None or rb == 0 or sink.data_ptr() % 16:
+            return None
+        key = ("native-maps", a, sink.data_ptr(), rb)
+        maps = plan._on_device.get(key)
+        if maps is None:
+            W, width = self.world_size, st.map_width
+            sources = [s for s in range(W) if s != self.rank and plan.recv_counts[s] > 0]
+            if any(len(plan.recv_split_ids[s]) >= width for s in sources):
+                maps = plan._on_device[key] = False
+                return None
+            starts = [0]
+            for n in plan.output_split_sizes:
+                starts.append(starts[-1] + n * rb)
+            offset = sink.data_ptr() - st.output_spans[a][0]
+            rows = [[1 + a] + [offset + starts[j] for j in plan.recv_split_ids[s]] for s in sources]
+            with torch.cuda.stream(st.stream):  # ahead of the puts reading it
+                table = _to_device(
+                    torch.tensor([x for row in rows for x in row], dtype=torch.int64), st.device
+                )
+            maps, pos = {}, table.data_ptr()
+            for s, row in zip(sources, rows):
+                st.map_tokens += 1
+                maps[s] = (pos, 8 * len(row), st.map_tokens)
+                pos += 8 * len(row)
+            maps = plan._on_device[key] = (table, maps)
+        return maps[1] if maps else None
 
     def _terms(self, plan, R: int, device):
         key = ("native-terms", str(device), R)
@@ -627,7 +814,9 @@ class NativeBackend:
                 if output.is_contiguous()
                 else torch.empty_like(output, memory_format=torch.contiguous_format)
             )
-            self._transport(plan, SINK_SCATTER, [_Field(src, sink, _row_bytes(src))])
+            rb = _row_bytes(src)
+            maps = self._direct_maps(plan, sink, rb)
+            self._transport(plan, SINK_SCATTER, [_Field(src, sink, rb)], maps=maps)
             if sink is not output:
                 output.copy_(sink)
             return (src, sink)
