@@ -44,6 +44,7 @@ class FakeWorld:
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
         self.gathered: list = [None] * world
+        self.placements: list[list] = [[] for _ in range(world)]
 
     @property
     def pe(self) -> int:
@@ -60,8 +61,19 @@ class FakeWorld:
                 return idx, addr - base
         raise AssertionError(f"PE {self.pe}: address {addr:#x} is not in the symmetric heap")
 
+    def place(self, pool: torch.Tensor, offsets: list[int]) -> None:
+        """The calling PE's next allocations lie in ``pool`` (uint8) at these byte offsets
+        (tests steer symmetric addresses with it)."""
+        self.placements[self.pe] = [(pool, off) for off in offsets]
+
     def tensor(self, shape, dtype=torch.float32):
-        t = torch.zeros(shape, dtype=dtype)
+        if self.placements[self.pe]:
+            pool, off = self.placements[self.pe].pop(0)
+            nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            t = pool[off : off + nbytes].view(dtype).view(shape)
+            t.zero_()
+        else:
+            t = torch.zeros(shape, dtype=dtype)
         self.heaps[self.pe].append(t)
         self.barrier.wait()  # nvshmem_malloc is collective
         return t

@@ -121,17 +121,33 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused):
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
 
 
+def _dense_layout(world: int) -> lib.Layout:
+    """Every rank sends three splits to every rank (itself too), interleaved in the outputs."""
+    rng = random.Random(5)
+    return lib._complete(rng, world, [[2, 3, 1]] * world, [[rng.sample(range(world), world)] * 3] * world)
+
+
+def _cast_into(be, lay, plan, rank, out, salt) -> None:
+    """One cast of ``lay`` into ``out`` (poisoned first) with inputs drawn with ``salt``,
+    checked against the oracle."""
+    case = {"seed": 77, "row_shape": tuple(out.shape[1:])}
+    inputs = [
+        lib.rank_data(case, r, sum(lay.in_sizes[r]), torch.float32, salt=salt) for r in range(lay.world)
+    ]
+    out.fill_(-1)
+    be.group_cast(inputs[rank], out, plan, False).wait()
+    assert torch.equal(out, lib.cast_oracle(lay, inputs, rank, out)), (rank, salt)
+
+
 def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
-    """Casts of one plan into symmetric outputs A, B and a plain one, in the order A A B A C A:
-    the map of A is put once, not again for the repeat, and again after B (the sources hold
-    B's map then); every result equals the oracle."""
+    """Casts of one plan into symmetric outputs A, B and a plain one, in the order A A B A C A,
+    then a reduce and A again: A's map is put once, not again for a repeat (also across the
+    reduce, whose arm carries no map), and again after B (the sources hold B's map then);
+    every result equals the oracle."""
     world = 3
     fw = native_fake.FakeWorld(world)
     native_fake.install(monkeypatch, fw)
-    # every rank sends three splits to every rank (itself too), interleaved in the outputs
-    rng = random.Random(5)
-    lay = lib._complete(rng, world, [[2, 3, 1]] * world, [[rng.sample(range(world), world)] * 3] * world)
-    case = {"layout": lay, "seed": 77, "row_shape": (4,)}
+    lay = _dense_layout(world)
 
     def rank_fn(rank):
         ins, outs, dst, src = lay.cast_args(rank)
@@ -144,21 +160,72 @@ def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
             assert sources == world - 1
             for step, name in enumerate("AABACA"):
                 before = fw.puts_by[rank]
-                inputs = [
-                    lib.rank_data(case, r, sum(lay.in_sizes[r]), torch.float32, salt=step)
-                    for r in range(world)
-                ]
-                out = outputs[name]
-                out.fill_(-1)
-                be.group_cast(inputs[rank], out, plan, False).wait()
-                assert torch.equal(out, lib.cast_oracle(lay, inputs, rank, out)), (rank, step, name)
+                _cast_into(be, lay, plan, rank, outputs[name], step)
                 if step == 1:
                     assert fw.puts_by[rank] == before  # A again: the sources still hold A's map
                 elif step in (2, 3):
                     assert fw.puts_by[rank] == before + sources  # a new map for every source
+            rplan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
+            part = torch.ones((sum(lay.out_sizes[rank]), 4))
+            be.group_reduce(
+                part, torch.zeros((sum(lay.in_sizes[rank]), 4)), rplan, False, "sum", None, None, False
+            )
+            before = fw.puts_by[rank]
+            _cast_into(be, lay, plan, rank, outputs["A"], 9)
+            assert fw.puts_by[rank] == before  # the reduce's arms left the maps alone
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
+
+
+def test_reused_slot_gets_a_fresh_map(monkeypatch):
+    """A cast into A[16:], then A freed and B allocated in the same slot so that B[8:] has the
+    same address as A[16:] (addresses steered in the fake heap): the map names B's offset, not
+    the cached one of A (the cache key carries the slot's generation)."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    native_fake.install(monkeypatch, fw)
+    lay = _dense_layout(world)
+
+    def rank_fn(rank):
+        ins, outs, dst, src = lay.cast_args(rank)
+        plan = build_cast_plan(ins, outs, dst, src, rank, world)
+        n, rb = sum(outs), 16  # rows of 4 float32
+        pool = torch.zeros(4096, dtype=torch.uint8)
+        with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
+            fw.place(pool, [256])
+            a = be.empty_output((16 + n, 4), torch.float32)
+            _cast_into(be, lay, plan, rank, a[16 : 16 + n], 1)
+            be.free_output(a)
+            fw.place(pool, [256 + 8 * rb])
+            b = be.empty_output((8 + n, 4), torch.float32)
+            assert b[8:].data_ptr() == a[16:].data_ptr()
+            b.fill_(0)
+            _cast_into(be, lay, plan, rank, b[8 : 8 + n], 2)
+            assert (b[:8] == 0).all()  # nothing landed before the sink
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+
+
+def test_too_many_splits_for_a_map_use_the_regions(monkeypatch):
+    """A receiver whose peer sends more splits than NativeConfig.map_entries stays on the
+    receive regions (no direct write), with the same result."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    native_fake.install(monkeypatch, fw)
+    lay = _dense_layout(world)  # three splits per pair
+
+    def rank_fn(rank):
+        plan = build_cast_plan(*lay.cast_args(rank), rank, world)
+        with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20, map_entries=2)) as be:
+            out = be.empty_output((plan.num_output_rows, 4), torch.float32)
+            for salt in range(2):
+                _cast_into(be, lay, plan, rank, out, salt)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.direct_writes == 0
 
 
 def test_symmetric_outputs(monkeypatch):
@@ -181,6 +248,8 @@ def test_symmetric_outputs(monkeypatch):
             be.free_output(a[1:])
         with pytest.raises(ValueError, match="negative"):
             be.empty_output((-1,), torch.float32)
+        with pytest.raises(RuntimeError, match="different allocations"):
+            be.free_output(a if rank == 0 else b)  # every rank learns of the mismatch, none hangs
         be.free_output(a)
         with pytest.raises(ValueError, match="freed"):
             be.free_output(a)

@@ -192,15 +192,21 @@ class GroupCollective:
         With the native backend it lives in the NVSHMEM symmetric heap (on this rank's GPU;
         ``device`` is ignored) and a group_cast into it, or into a contiguous 16-byte aligned
         row range of it, skips the receive copy: peers write the rows straight into it. Shapes
-        may differ per rank. Other backends return ``torch.empty(shape, dtype=dtype,
-        device=device)``. Release it with :meth:`free_output` (collective); :meth:`close` frees
-        what is left.
+        may differ per rank; ranks allocate and free their outputs in the same order. Other
+        backends return ``torch.empty(shape, dtype=dtype, device=device)``, where ``device=None``
+        means the current CUDA device if the group communicates through NCCL, else the CPU, so
+        code written for either backend gets a usable tensor. Release it with
+        :meth:`free_output` (collective); the native backend frees what is left when the
+        group's last native collective closes.
         """
         backend = self._require_backend()
         make = getattr(backend, "empty_output", None)
-        if make is None:
-            return torch.empty(shape, dtype=dtype, device=device)
-        return make(shape, dtype)
+        if make is not None:
+            return make(shape, dtype)
+        if device is None:
+            nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def free_output(self, tensor: torch.Tensor) -> None:
         """Collective: release a tensor from :meth:`empty_output` (a no-op for plain tensors)."""

@@ -227,9 +227,13 @@ class CopyLaunch:
         self.grid = (table.num_blocks, 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
         self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
-        self.peer_table = torch.tensor(
-            [p or 0 for p in peers], dtype=torch.int64, device=table.blk_task.device
-        )
+        # Built on the host and moved without blocking it (the caller's current stream orders
+        # the copy ahead of the launches, as for the block table).
+        peer_table = torch.tensor([p or 0 for p in peers], dtype=torch.int64)
+        dev = table.blk_task.device
+        if dev.type == "cuda":
+            peer_table = peer_table.pin_memory().to(dev, non_blocking=True)
+        self.peer_table = peer_table
         self.fixed = (
             self.filler,  # the anchor of peer addresses (see _put_peer)
             self.peer_table,

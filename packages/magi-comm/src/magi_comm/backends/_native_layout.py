@@ -378,11 +378,7 @@ class BlockTable:
     task_split: torch.Tensor
     task_within: torch.Tensor
     block_words: int
-
-    @property
-    def has_splits(self) -> bool:
-        """Whether some task can go straight into a peer's output (a cast's send table)."""
-        return bool((self.task_split >= 0).any())
+    has_splits: bool = False  # some task can go straight into a peer's output (a cast's sends)
 
     @property
     def num_blocks(self) -> int:
@@ -403,6 +399,7 @@ class BlockTable:
             mv(self.task_split),
             mv(self.task_within),
             self.block_words,
+            self.has_splits,
         )
 
 
@@ -434,6 +431,7 @@ def to_blocks(table: TaskTable, row_words: int, block_words: int) -> BlockTable:
         task_split,
         task_within,
         block_words,
+        bool((task_split >= 0).any()),  # on the host, before the table moves to the GPU
     )
 
 

@@ -101,6 +101,7 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _READY, _ACK, _ARM = 0, 1, 2
 _NUM_SIGNALS = 3
 _ALIGN_OUT = 256  # bytes; symmetric outputs are padded to this
+_MAPS_PER_PLAN = 4  # direct-mode maps kept per plan (distinct sinks cast into with it)
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,7 @@ class _GroupState:
         self.staged_header = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.outputs: list[torch.Tensor | None] = [None] * config.max_outputs
         self.output_spans: dict[int, tuple[int, int]] = {}  # live output index -> (start, end) address
+        self.output_gen = [0] * config.max_outputs  # allocations made in each slot so far
         self.output_bases = torch.zeros((config.max_outputs, W), dtype=torch.int64, device=self.device)
         self.capacity = 0
         self.buf: torch.Tensor | None = None
@@ -356,20 +358,21 @@ class _GroupState:
 
     # -- symmetric outputs (direct mode) -------------------------------------------------------
 
-    def allocate_output(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def free_slot(self) -> int:
+        """The slot the next symmetric output takes (the lowest free one), -1 if none."""
+        return next((a for a, t in enumerate(self.outputs) if t is None), -1)
+
+    def allocate_output(
+        self, nbytes: int, a: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """Collective: a ``shape`` / ``dtype`` tensor at the start of a new symmetric allocation of
-        ``nbytes`` (the same on every rank, at least the tensor's size)."""
-        free = [a for a, t in enumerate(self.outputs) if t is None]
-        if not free:
-            raise RuntimeError(
-                f"magi_comm native: {len(self.outputs)} symmetric outputs are alive "
-                f"(NativeConfig.max_outputs); free some with free_output first"
-            )
-        a, nvc = free[0], self.rt.nvc
+        ``nbytes`` (the same on every rank, at least the tensor's size) in free slot ``a``."""
+        nvc = self.rt.nvc
         base = nvc.tensor((max(_ALIGN_OUT, -(-nbytes // _ALIGN_OUT) * _ALIGN_OUT),), dtype=torch.uint8)
         bases = [_peer_path(nvc, base, self.rank, pe).data_ptr() for pe in range(self.world)]
         self.output_bases[a] = torch.tensor(bases, dtype=torch.int64)
         self.outputs[a] = base
+        self.output_gen[a] += 1
         self.output_spans[a] = (base.data_ptr(), base.data_ptr() + base.numel())
         numel = torch.Size(shape).numel()
         return base[: numel * torch.empty(0, dtype=dtype).element_size()].view(dtype).view(shape)
@@ -390,7 +393,7 @@ class _GroupState:
         self._barrier()
         base, self.outputs[a] = self.outputs[a], None
         del self.output_spans[a]
-        self.output_bases[a] = 0
+        self.output_bases[a] = torch.zeros(self.world, dtype=torch.int64)  # a host copy: in order
         self.rt.nvc.free_tensor(base)
 
     # -- signals (stream-ordered on self.stream) --------------------------------------------
@@ -551,18 +554,44 @@ class NativeBackend:
         shape = tuple(int(x) for x in shape)
         if any(x < 0 for x in shape):
             raise ValueError(f"empty_output: shape must not have negative sizes, got {shape}")
-        n = torch.tensor([torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()],
-                         dtype=torch.int64, device=st.device)  # fmt: skip
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-        return st.allocate_output(int(n.item()), shape, dtype)
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        # One host collective: the largest size, and a check that every rank takes the same
+        # slot with the same map geometry (the header names the slot, the kernel's row stride
+        # is the map width).
+        slot = st.free_slot()
+        top = self._max_over_ranks([nbytes, slot, -slot, st.map_width, -st.map_width])
+        if top[1] != -top[2] or top[3] != -top[4]:
+            raise RuntimeError(
+                "empty_output: ranks disagree on the output slot or on NativeConfig.map_entries "
+                "(every rank must allocate and free its outputs in the same order, with one config)"
+            )
+        if slot < 0:
+            raise RuntimeError(
+                f"magi_comm native: {len(st.outputs)} symmetric outputs are alive "
+                f"(NativeConfig.max_outputs); free some with free_output first"
+            )
+        return st.allocate_output(top[0], slot, shape, dtype)
 
     def free_output(self, tensor: torch.Tensor) -> None:
-        """Collective: free a tensor from :meth:`empty_output` (every rank passes its own)."""
+        """Collective: free a tensor from :meth:`empty_output` (every rank passes its own, of
+        the same allocation)."""
         st = self._require()
         a = st.output_index(tensor)
-        if a is None or tensor.data_ptr() != st.output_spans[a][0]:
+        if a is not None and tensor.data_ptr() != st.output_spans[a][0]:
+            a = None
+        a = -1 if a is None else a
+        top = self._max_over_ranks([a, -a])  # every rank reaches the check, none hangs
+        if a < 0:
             raise ValueError("free_output: tensor is not a tensor returned by empty_output (or was freed)")
+        if top[0] != -top[1]:
+            raise RuntimeError("free_output: ranks passed tensors of different allocations")
         st.free_output(a)
+
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over the group (host-blocking)."""
+        t = torch.tensor(values, dtype=torch.int64, device=self._require().device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def reserve(self, nbytes: int) -> None:
         """Collective: make the symmetric receive buffer at least ``nbytes`` bytes."""
@@ -724,39 +753,48 @@ class NativeBackend:
             consume()
 
     def _direct_maps(self, plan: CastPlan, sink: torch.Tensor, rb: int):
-        """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): per source, the
-        ``(address, nbytes, token)`` of this rank's map for it (on the device, cached on the
-        plan; the token names the map's content, so an unchanged map is not put again); None
-        when ``sink`` is not in a symmetric output, not 16-byte aligned, or a source sends more
-        than ``map_entries`` splits."""
+        """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): ``(table, maps)``
+        where ``maps`` gives per source the ``(address, nbytes, token)`` of this rank's map for
+        it inside the device ``table`` (the token names the map's content, so an unchanged map
+        is not put again); None when ``sink`` is not in a symmetric output, not 16-byte
+        aligned, or a source sends more than ``map_entries`` splits.
+
+        Cached on the plan for the last few sinks. The key names the allocation by slot and
+        generation (a freed slot's next allocation may contain the same address at another
+        offset) and the sink's address and row size."""
         st = self._require()
         a = st.output_index(sink)
         if a is None or rb == 0 or sink.data_ptr() % 16:
             return None
-        key = ("native-maps", a, sink.data_ptr(), rb)
-        maps = plan._on_device.get(key)
+        cache = plan._on_device.setdefault("native-maps", {})
+        key = (a, st.output_gen[a], sink.data_ptr(), rb)
+        maps = cache.pop(key, None)
         if maps is None:
-            W, width = self.world_size, st.map_width
-            sources = [s for s in range(W) if s != self.rank and plan.recv_counts[s] > 0]
-            if any(len(plan.recv_split_ids[s]) >= width for s in sources):
-                maps = plan._on_device[key] = False
-                return None
-            starts = [0]
-            for n in plan.output_split_sizes:
-                starts.append(starts[-1] + n * rb)
-            offset = sink.data_ptr() - st.output_spans[a][0]
-            rows = [[1 + a] + [offset + starts[j] for j in plan.recv_split_ids[s]] for s in sources]
-            with torch.cuda.stream(st.stream):  # ahead of the puts reading it
-                table = _to_device(
-                    torch.tensor([x for row in rows for x in row], dtype=torch.int64), st.device
-                )
-            maps, pos = {}, table.data_ptr()
-            for s, row in zip(sources, rows):
-                st.map_tokens += 1
-                maps[s] = (pos, 8 * len(row), st.map_tokens)
-                pos += 8 * len(row)
-            maps = plan._on_device[key] = (table, maps)
-        return maps[1] if maps else None
+            maps = self._build_maps(plan, a, sink.data_ptr() - st.output_spans[a][0], rb)
+        cache[key] = maps  # most recent last
+        while len(cache) > _MAPS_PER_PLAN:
+            del cache[next(iter(cache))]
+        return maps or None
+
+    def _build_maps(self, plan: CastPlan, a: int, offset: int, rb: int):
+        """The maps of :meth:`_direct_maps` for a sink ``offset`` bytes into output ``a``, or
+        False when a source sends more splits than a map row holds."""
+        st = self._require()
+        sources = [s for s in range(self.world_size) if s != self.rank and plan.recv_counts[s] > 0]
+        if any(len(plan.recv_split_ids[s]) >= st.map_width for s in sources):
+            return False
+        starts = [0]
+        for n in plan.output_split_sizes:
+            starts.append(starts[-1] + n * rb)
+        rows = [[1 + a] + [offset + starts[j] for j in plan.recv_split_ids[s]] for s in sources]
+        with torch.cuda.stream(st.stream):  # ahead of the puts reading it
+            table = _to_device(torch.tensor([x for row in rows for x in row], dtype=torch.int64), st.device)
+        maps, pos = {}, table.data_ptr()
+        for s, row in zip(sources, rows):
+            st.map_tokens += 1
+            maps[s] = (pos, 8 * len(row), st.map_tokens)
+            pos += 8 * len(row)
+        return table, maps
 
     def _terms(self, plan, R: int, device):
         key = ("native-terms", str(device), R)
@@ -815,11 +853,12 @@ class NativeBackend:
                 else torch.empty_like(output, memory_format=torch.contiguous_format)
             )
             rb = _row_bytes(src)
-            maps = self._direct_maps(plan, sink, rb)
+            direct = self._direct_maps(plan, sink, rb)
+            maps = direct[1] if direct else None
             self._transport(plan, SINK_SCATTER, [_Field(src, sink, rb)], maps=maps)
             if sink is not output:
                 output.copy_(sink)
-            return (src, sink)
+            return (src, sink, direct)  # the map table stays alive until the puts read it
 
         plain = input.is_contiguous() and output.is_contiguous()  # then no torch op runs in body
         return self._run((input, output), body, output, async_op, torch_ops=not plain)
