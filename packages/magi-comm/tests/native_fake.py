@@ -352,6 +352,13 @@ def install(monkeypatch, world: FakeWorld) -> None:
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1")
 
 
+def installed(monkeypatch, world_size: int) -> FakeWorld:
+    """A fake world of ``world_size`` ranks, installed for the test (see :func:`install`)."""
+    world = FakeWorld(world_size)
+    install(monkeypatch, world)
+    return world
+
+
 def run_ranks(world: FakeWorld, fn) -> None:
     """Run ``fn(rank)`` on one thread per rank; re-raise the first failure."""
     errors: list[BaseException] = []

@@ -92,8 +92,7 @@ def _run(be, case, rank, world):
 
 @pytest.mark.parametrize(("world", "fused"), [(1, True), (2, True), (3, True), (3, False)])
 def test_native_backend_in_fake_world(monkeypatch, world, fused):
-    fw = native_fake.FakeWorld(world)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, world)
     small = _cases(world, 100 + world, 24, big=False)
     big = _cases(world, 200 + world, 10, big=True)  # 64 KiB rows, 1 MiB buffer: rounds
     mib = 1 << 20
@@ -145,14 +144,12 @@ def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
     reduce, whose arm carries no map), and again after B (the sources hold B's map then);
     every result equals the oracle."""
     world = 3
-    fw = native_fake.FakeWorld(world)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, world)
     lay = _dense_layout(world)
 
     def rank_fn(rank):
-        ins, outs, dst, src = lay.cast_args(rank)
-        plan = build_cast_plan(ins, outs, dst, src, rank, world)
-        rows = (sum(outs), 4)
+        plan = build_cast_plan(*lay.cast_args(rank), rank, world)
+        rows = (plan.num_output_rows, 4)
         with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
             outputs = {"A": be.empty_output(rows, torch.float32), "B": be.empty_output(rows, torch.float32)}
             outputs["C"] = torch.zeros(rows)
@@ -183,14 +180,12 @@ def test_reused_slot_gets_a_fresh_map(monkeypatch):
     same address as A[16:] (addresses steered in the fake heap): the map names B's offset, not
     the cached one of A (the cache key carries the slot's generation)."""
     world = 2
-    fw = native_fake.FakeWorld(world)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, world)
     lay = _dense_layout(world)
 
     def rank_fn(rank):
-        ins, outs, dst, src = lay.cast_args(rank)
-        plan = build_cast_plan(ins, outs, dst, src, rank, world)
-        n, rb = sum(outs), 16  # rows of 4 float32
+        plan = build_cast_plan(*lay.cast_args(rank), rank, world)
+        n, rb = plan.num_output_rows, 16  # rows of 4 float32
         pool = torch.zeros(4096, dtype=torch.uint8)
         with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
             fw.place(pool, [256])
@@ -212,8 +207,7 @@ def test_too_many_splits_for_a_map_use_the_regions(monkeypatch):
     """A receiver whose peer sends more splits than NativeConfig.map_entries stays on the
     receive regions (no direct write), with the same result."""
     world = 2
-    fw = native_fake.FakeWorld(world)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, world)
     lay = _dense_layout(world)  # three splits per pair
 
     def rank_fn(rank):
@@ -231,8 +225,7 @@ def test_too_many_splits_for_a_map_use_the_regions(monkeypatch):
 def test_symmetric_outputs(monkeypatch):
     """empty_output: shapes may differ per rank, tensors are freed collectively (explicitly or
     by close), bad frees are refused, and the slot limit names its setting."""
-    fw = native_fake.FakeWorld(2)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, 2)
 
     def rank_fn(rank):
         cfg = NativeConfig(buffer_bytes=1 << 20, max_outputs=2)
@@ -262,8 +255,7 @@ def test_symmetric_outputs(monkeypatch):
 
 
 def test_second_group_is_refused(monkeypatch):
-    fw = native_fake.FakeWorld(1)
-    native_fake.install(monkeypatch, fw)
+    fw = native_fake.installed(monkeypatch, 1)
 
     def rank_fn(rank):
         be = NativeBackend("group", 0, 1)

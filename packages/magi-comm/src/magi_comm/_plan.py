@@ -307,6 +307,25 @@ def _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs) -> dic
     )
 
 
+def _common(op, input_split_sizes, output_split_sizes, per_input, per_output, names, rank, world_size,
+            input_rows, output_rows) -> tuple[list[int], list[list[int]], list[list[int]], dict]:  # fmt: skip
+    """What both builders start with: ``(out_sizes, ranks per output split, output split ids
+    per peer, the shared plan fields)``, after validating the lists (see :func:`_checked_args`)."""
+    in_sizes, out_sizes, dsts, srcs = _checked_args(
+        op,
+        input_split_sizes,
+        output_split_sizes,
+        per_input,
+        per_output,
+        names,
+        world_size,
+        input_rows,
+        output_rows,
+    )
+    sends, recvs = _by_peer(world_size, dsts), _by_peer(world_size, srcs)
+    return out_sizes, srcs, recvs, _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs)
+
+
 def build_cast_plan(
     input_split_sizes: Sequence[int],
     output_split_sizes: Sequence[int],
@@ -323,13 +342,10 @@ def build_cast_plan(
     the split sums first, since a wrong sum is the root cause of most other inconsistencies.
     Raises ValueError / TypeError naming the offending argument and value.
     """
-    op = "group_cast"
-    in_sizes, out_sizes, dsts, srcs = _checked_args(
-        op, input_split_sizes, output_split_sizes, dst_indices, src_index, ("dst_indices", "src_index"),
-        world_size, input_rows, output_rows,
+    out_sizes, _, recvs, fields = _common(
+        "group_cast", input_split_sizes, output_split_sizes, dst_indices, src_index,
+        ("dst_indices", "src_index"), rank, world_size, input_rows, output_rows,
     )  # fmt: skip
-    sends, recvs = _by_peer(world_size, dsts), _by_peer(world_size, srcs)
-    fields = _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs)
     out_off = _prefix(out_sizes)
     s_starts = [out_off[j] for s in range(world_size) for j in recvs[s]]
     s_lens = [out_sizes[j] for s in range(world_size) for j in recvs[s]]
@@ -350,13 +366,10 @@ def build_reduce_plan(
     output_rows: int | None = None,
 ) -> ReducePlan:
     """Build (without caching) the plan of a group_reduce; validates the lists (see build_cast_plan)."""
-    op = "group_reduce"
-    in_sizes, out_sizes, dsts, srcs = _checked_args(
-        op, input_split_sizes, output_split_sizes, dst_index, src_indices, ("dst_index", "src_indices"),
-        world_size, input_rows, output_rows,
+    out_sizes, srcs, recvs, fields = _common(
+        "group_reduce", input_split_sizes, output_split_sizes, dst_index, src_indices,
+        ("dst_index", "src_indices"), rank, world_size, input_rows, output_rows,
     )  # fmt: skip
-    sends, recvs = _by_peer(world_size, dsts), _by_peer(world_size, srcs)
-    fields = _pair_fields(op, rank, world_size, in_sizes, out_sizes, sends, recvs)
 
     # Offset in the receive buffer of the segment source s sent for output split j.
     buf_pos: dict[tuple[int, int], int] = {}

@@ -408,16 +408,15 @@ class _GroupState:
             self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
         )
 
-    def arm(self, pe: int, value: int, header: tuple[int, int, int] | None) -> None:
+    def arm(self, pe: int, value: int, header: tuple[int, int] | None) -> None:
         """Set slot ``(ARM, self.rank)`` on ``pe`` to ``value`` once prior stream work is done;
-        with ``header = (address, nbytes, token)`` those local bytes first land in row
-        ``self.rank`` of ``pe``'s map area (one put-with-signal: the data is there before the
-        signal)."""
+        with ``header = (address, nbytes)`` those local bytes first land in row ``self.rank``
+        of ``pe``'s map area (one put-with-signal: the data is there before the signal)."""
         if header is None:
             self.signal(_ARM, pe, value)
             return
         nvb, nvc = self.rt.nvb, self.rt.nvc
-        addr, nbytes, _ = header
+        addr, nbytes = header
         nvb.putmem_signal_nbi_on_stream(
             self.maps.data_ptr() + 8 * self.rank * self.map_width,
             addr,
@@ -722,7 +721,7 @@ class NativeBackend:
                     header = None  # the source still holds this map (only we write our row there)
                 elif header is not None:
                     st.map_sent[s] = header[2]
-                st.arm(s, st.armed[s], header)
+                st.arm(s, st.armed[s], header and header[:2])
         for k, rnd in enumerate(rounds):
             for d in rnd.send_peers:
                 if k == 0:  # d's earlier use of its region and output is over
