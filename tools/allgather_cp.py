@@ -25,7 +25,7 @@ class AllGatherCP:
 
     def __init__(self, mask: AttnMask, group: dist.ProcessGroup, chunk_size: int):
         self.group = group
-        cp = dist.get_world_size(group)
+        self.cp = cp = dist.get_world_size(group)
         rank = dist.get_rank(group)
         cfg = DistAttnConfig(
             dispatch_config=DispatchConfig(chunk_size=chunk_size, alg=DispatchAlg.ZIGZAG),
@@ -69,7 +69,7 @@ class AllGatherCP:
         return self._dev
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cp = dist.get_world_size(self.group)
+        cp = self.cp
         shard = k.shape[0]
         kv = torch.cat([k, v])
         full = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))

@@ -160,7 +160,12 @@ def paired_overhead(base, variant, iters: int, pairs: int = 15) -> float:
             tb = bench(base, iters, warmup=1)
             tv = bench(variant, iters, warmup=1)
         ratios.append(tv / tb - 1.0)
-    return sorted(ratios)[len(ratios) // 2]
+    return _median(ratios)
+
+
+def _median(xs: list[float]) -> float:
+    """The upper median (the middle of an odd count)."""
+    return sorted(xs)[len(xs) // 2]
 
 
 def host_us(fn, iters: int = 20) -> float:
@@ -337,9 +342,8 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
     for _ in range(args.rounds):
         for name, f in fns.items():
             times[name].append(bench(f, args.iters))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     for name, ts in times.items():
-        res[name] = tflops(case, med(ts))
+        res[name] = tflops(case, _median(ts))
     if ffa_ml is not None:
         res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
     return res, first

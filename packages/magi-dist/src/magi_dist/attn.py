@@ -179,12 +179,12 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
 
 def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
     dev = q.device
-    host = rt.host_tensors(dev)
     single = (sink, sink_layout, scale, softcap, want_max)
-    if rt.me.calc.kv_concat and not rt.remote_tensors(dev)[0].empty:
+    remote = rt.remote_tensors(dev)[0] if rt.me.calc.kv_concat else None
+    if remote is not None and not remote.empty:
         kv = _concat_kv(rt, k, v)
-        out, lse, ml = _single_stage(q, kv[:, 0], kv[:, 1], rt.remote_tensors(dev)[0], *single)
-    elif not rt.cast_args and not host.empty:
+        out, lse, ml = _single_stage(q, kv[:, 0], kv[:, 1], remote, *single)
+    elif not rt.cast_args and not (host := rt.host_tensors(dev)).empty:
         out, lse, ml = _single_stage(q, k, v, host, *single)
     else:
         # several stages, or nothing to compute (then every row is the sink's alone)
