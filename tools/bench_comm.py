@@ -10,7 +10,10 @@ are summed in float32 with the rank's existing output).
 
 GB/s counts useful bytes that cross GPUs: S x (W - 1) per rank per call (what each rank sends
 to the others; the self copies are free extras), divided by the time per call (slowest rank,
-CUDA events, after warm-up). The same bytes define the raw limits:
+CUDA events, after warm-up), timed two ways: back to back (each call issued when the last one
+has been issued: the host path counts) and host ahead (the GPU sleeps until the host has issued
+every call: device time alone, the case of a cast issued ahead of the attention kernels it
+overlaps). The same bytes define the raw limits:
 
 * ``raw copy``: every rank at once ``copy_`` of S MiB into a peer's symmetric buffer view
   (copy engine over NVLink, the physical limit ~380 GB/s per H200 with both pushing);
@@ -29,6 +32,7 @@ import datetime
 import faulthandler
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,21 +63,33 @@ def layout(rank: int, world: int, rows: int):
     return in_sizes, out_sizes, dst, src
 
 
-def timed(fn, iters: int, warmup: int) -> float:
-    """Seconds per call: slowest rank, CUDA events on the current stream."""
+def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
+    """Seconds per call: slowest rank, CUDA events on the current stream.
+
+    ``ahead``: the GPU first sleeps long enough for the host to enqueue all ``iters`` calls, so
+    the time is the device's alone (the host path hidden, as when a cast is issued ahead of the
+    kernels it overlaps). Raises when the host did not get ahead of the sleep on every rank."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    slept, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    slept.record()
+    if ahead:
+        torch.cuda._sleep(iters * 1_000_000)  # ~0.5 ms per call at ~2 GHz
     start.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / 1e3 / iters], dtype=torch.float64)
+    behind = float(ahead and host_ms >= slept.elapsed_time(start))
+    t = torch.tensor([start.elapsed_time(end) / 1e3 / iters, behind], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    if t[1]:
+        raise RuntimeError("timed(ahead=True): the host did not get ahead of the GPU's sleep")
+    return float(t[0])
 
 
 def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
@@ -271,11 +287,12 @@ def run_size(
             trace(fn, rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
         nat.free_output(out_d)
         return
-    log("cast", mib, "native", timed(cast_n, iters, 3), cross)
-    log("cast-sym", mib, "native", timed(cast_d, iters, 3), cross)
-    log("cast", mib, "a2av", timed(cast_a, iters, 3), cross)
-    log("reduce", mib, "native", timed(reduce_n, iters, 3), cross)
-    log("reduce", mib, "a2av", timed(reduce_a, iters, 3), cross)
+    for ahead, tag in ((False, ""), (True, " ahead")):
+        log("cast", mib, "native" + tag, timed(cast_n, iters, 3, ahead), cross)
+        log("cast-sym", mib, "native" + tag, timed(cast_d, iters, 3, ahead), cross)
+        log("cast", mib, "a2av" + tag, timed(cast_a, iters, 3, ahead), cross)
+        log("reduce", mib, "native" + tag, timed(reduce_n, iters, 3, ahead), cross)
+        log("reduce", mib, "a2av" + tag, timed(reduce_a, iters, 3, ahead), cross)
 
     # raw limits: every rank pushes S into the next rank's symmetric buffer (no native call
     # is in flight: synchronized and fenced by barriers on both sides)
@@ -336,7 +353,7 @@ def main() -> int:
         gbs = cross / sec / 1e9
         results.append((op, mib, name, gbs, sec))
         if rank == 0:
-            print(f"{op:7s} {mib:6.0f} MiB {name:10s} {sec * 1e6:9.1f} us {gbs:8.1f} GB/s", flush=True)
+            print(f"{op:7s} {mib:6.0f} MiB {name:12s} {sec * 1e6:9.1f} us {gbs:8.1f} GB/s", flush=True)
 
     if args.signal_latency:
         signal_latency(nat, rank, world, dev)
@@ -352,18 +369,24 @@ def main() -> int:
         by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
         print(f"\n## magi-comm GroupCast / GroupReduce, {world} x {torch.cuda.get_device_name()}")
         print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer;")
-        print("cast-sym: the output from empty_output (symmetric heap: direct mode, no receive copy)\n")
-        print("| op | MiB | native | a2av | native/a2av | raw copy | raw kernel | native/raw copy |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("cast-sym: the output from empty_output (symmetric heap: direct mode, no receive copy)")
+        print("back to back: calls issued one after the other, host path included; host ahead: the")
+        print("host enqueued every call before the GPU reached the first (device time alone)\n")
+        print("| op | MiB | timing | native | a2av | native/a2av | raw copy | raw kernel | native/raw copy |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         for op in ("cast", "cast-sym", "reduce"):
             for mib in sizes:
-                # a2av has no symmetric outputs: its empty_output is torch.empty, the same cast
-                n, a = by.get((op, mib, "native")), by.get((op.removesuffix("-sym"), mib, "a2av"))
                 rc, rk = by.get(("raw", mib, "copy")), by.get(("raw", mib, "kernel"))
-                f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-                ratio = "-" if not (n and a) else f"{n / a:.2f}x"
-                vs_raw = "-" if not (n and rc) else f"{100 * n / rc:.0f}%"
-                print(f"| {op} | {mib:.0f} | {f(n)} | {f(a)} | {ratio} | {f(rc)} | {f(rk)} | {vs_raw} |")
+                for tag, timing in (("", "back to back"), (" ahead", "host ahead")):
+                    # a2av has no symmetric outputs: its empty_output is torch.empty, the same cast
+                    n = by.get((op, mib, "native" + tag))
+                    a = by.get((op.removesuffix("-sym"), mib, "a2av" + tag))
+                    ratio = "-" if not (n and a) else f"{n / a:.2f}x"
+                    vs_raw = "-" if not (n and rc) else f"{100 * n / rc:.0f}%"
+                    print(
+                        f"| {op} | {mib:.0f} | {timing} | {f(n)} | {f(a)} | {ratio} | {f(rc)} | {f(rk)} | {vs_raw} |"
+                    )
     nat.close()
     a2a.close()
     native_mod.shutdown()

@@ -65,6 +65,16 @@ def ring_sdpa_time(total, hq, d, causal, iters, group) -> float:
         )
 
 
+def init_nccl(high_priority: bool) -> None:
+    """NCCL process group whose internal streams, and the native backend's group stream, run at
+    high priority (``high_priority``) or at the default one."""
+    from magi_comm.backends.native import ENV_STREAM_PRIORITY
+
+    os.environ[ENV_STREAM_PRIORITY] = "-1" if high_priority else "0"
+    opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+    dist.init_process_group("nccl", pg_options=opts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--totals", type=int, nargs="+", default=[65536, 131072])
@@ -80,9 +90,16 @@ def main() -> None:
         help="comma list of full, causal, varlen_full, varlen_causal, varlen_block_causal",
     )
     ap.add_argument("--tokens-per-gpu", type=int, default=0, help="if > 0: one total, this many tokens x cp")
+    ap.add_argument(
+        "--comm-priority",
+        choices=("high", "normal"),
+        default="high",
+        help="CUDA priority of the communication streams (NCCL's and magi-comm native's): high "
+        "lets a cast overlapped with an attention kernel take SMs as that kernel's programs retire",
+    )
     args = ap.parse_args()
 
-    dist.init_process_group("nccl")
+    init_nccl(args.comm_priority == "high")
     rank, cp = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     group = dist.group.WORLD
@@ -185,7 +202,8 @@ def main() -> None:
             md.clear_cache()
     if rank == 0:
         print(
-            f"\ncp {cp}, Hq {args.hq}, Hk {args.hk}, D {args.d}, bf16, chunk {args.chunk}, overlap degree {args.degree}"
+            f"\ncp {cp}, Hq {args.hq}, Hk {args.hk}, D {args.d}, bf16, chunk {args.chunk}, overlap degree {args.degree}, "
+            f"comm streams at {args.comm_priority} priority"
         )
         print(
             "| mask | magi calc_attn TFLOP/s/GPU | same stages, no comm | eff. | one FFA call, same load | eff. | "

@@ -5,6 +5,7 @@ rounds (tiny buffer), collective growth, ready / ack signalling between concurre
 fused and staged reductions, async works, close and shutdown; results against the oracles.
 """
 
+import dataclasses
 import random
 
 import magi_comm_testlib as lib
@@ -269,3 +270,31 @@ def test_second_group_is_refused(monkeypatch):
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
+
+
+@pytest.mark.parametrize("env, expect", [(None, -1), ("0", 0), (" -3 ", -3)])
+def test_group_stream_priority(monkeypatch, env, expect):
+    """The group stream takes NativeConfig.stream_priority, from the environment by default
+    (high priority by default: casts overlapped with a long kernel must not wait for its last
+    wave)."""
+    if env is None:
+        monkeypatch.delenv(native.ENV_STREAM_PRIORITY, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV_STREAM_PRIORITY, env)
+    cfg = NativeConfig.from_env()
+    assert cfg.stream_priority == expect
+    fw = native_fake.installed(monkeypatch, 2)
+    seen = []
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, dataclasses.replace(cfg, buffer_bytes=1 << 20)) as be:
+            seen.append(be._state.stream.priority)
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert seen == [expect, expect]
+
+
+def test_stream_priority_env_rejects_garbage(monkeypatch):
+    monkeypatch.setenv(native.ENV_STREAM_PRIORITY, "high")
+    with pytest.raises(ValueError, match=r"MAGI_COMM_NATIVE_STREAM_PRIORITY.*'high'"):
+        NativeConfig.from_env()

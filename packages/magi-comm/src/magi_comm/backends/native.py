@@ -90,12 +90,20 @@ from ._native_layout import (
     word_size,
 )
 
-__all__ = ["ENV_BUFFER_MB", "ENV_FUSED_REDUCE", "NativeBackend", "NativeConfig", "shutdown"]
+__all__ = [
+    "ENV_BUFFER_MB",
+    "ENV_FUSED_REDUCE",
+    "ENV_STREAM_PRIORITY",
+    "NativeBackend",
+    "NativeConfig",
+    "shutdown",
+]
 
 logger = logging.getLogger(__name__)
 
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
+ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _READY, _ACK, _ARM = 0, 1, 2
@@ -122,6 +130,12 @@ class NativeConfig:
             group_cast (its map of split offsets must fit the peer's map row); a call with more
             goes through the receive regions.
         max_outputs: most symmetric outputs (:meth:`NativeBackend.empty_output`) alive at once.
+        stream_priority: CUDA priority of the group stream the transfers run on (lower is more
+            urgent; ``$MAGI_COMM_NATIVE_STREAM_PRIORITY``). The default, -1, lets the copy
+            kernel's programs take SMs as soon as programs of a kernel running beside it (the
+            attention kernel of the stage being overlapped) retire; at 0 the block scheduler
+            runs the earlier kernel's remaining programs first, so a cast issued beside a long
+            kernel waits for that kernel's last wave.
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -131,20 +145,32 @@ class NativeConfig:
     fused_reduce: bool = True
     map_entries: int = 8192
     max_outputs: int = 64
+    stream_priority: int = -1
 
     @staticmethod
     def from_env() -> NativeConfig:
-        fused = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
+        kw = {}
+        kw["fused_reduce"] = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in (
+            "0",
+            "false",
+            "no",
+            "off",
+        )
+        prio = os.environ.get(ENV_STREAM_PRIORITY, "").strip()
+        if prio:
+            try:
+                kw["stream_priority"] = int(prio)
+            except ValueError:
+                raise ValueError(f"${ENV_STREAM_PRIORITY} must be an integer, got {prio!r}") from None
         mb = os.environ.get(ENV_BUFFER_MB)
-        if not mb:
-            return NativeConfig(fused_reduce=fused)
-        try:
-            n = int(float(mb) * _MIB)
-        except ValueError:
-            raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
-        if n <= 0:
-            raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
-        return NativeConfig(buffer_bytes=n, fused_reduce=fused)
+        if mb:
+            try:
+                kw["buffer_bytes"] = int(float(mb) * _MIB)
+            except ValueError:
+                raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
+            if kw["buffer_bytes"] <= 0:
+                raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
+        return NativeConfig(**kw)
 
     def aligned_buffer_bytes(self) -> int:
         return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
@@ -273,7 +299,7 @@ class _GroupState:
         self.config = config
         self.refcount = 0
         self.device = _device(rt.device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device, priority=config.stream_priority)
         W = self.world
         # Per-pair counters; both ends of a pair count alike without talking (see the docstring).
         self.sent = [0] * W  # transfers this rank made to each peer (ready values)
