@@ -50,6 +50,22 @@ def timeit(fn, iters: int, group) -> float:
     return float(t)
 
 
+def trace(fn, name: str, rank: int, group, calls: int = 3) -> None:
+    """torch.profiler timeline (CPU and GPU, every stream) of ``calls`` calls of ``fn``, written
+    as a Chrome trace to ``$OUT/dist_trace_<name>_rank<rank>.json`` (chrome://tracing, Perfetto):
+    shows whether the casts run beside the attention kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(os.path.join(os.environ.get("OUT", "."), f"dist_trace_{name}_rank{rank}.json"))
+    dist.barrier(group)
+
+
 def ring_sdpa_time(total, hq, d, causal, iters, group) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -91,6 +107,9 @@ def main() -> None:
     )
     ap.add_argument("--tokens-per-gpu", type=int, default=0, help="if > 0: one total, this many tokens x cp")
     ap.add_argument(
+        "--trace", action="store_true", help="also write a profiler timeline of calc_attn per mask"
+    )
+    ap.add_argument(
         "--comm-priority",
         choices=("high", "normal"),
         default="high",
@@ -130,6 +149,8 @@ def main() -> None:
 
             q, k, v = rnd(args.hq), rnd(args.hk), rnd(args.hk)
             t_magi = timeit(lambda: md.calc_attn(q, k, v, key), args.iters, group)  # noqa: B023
+            if args.trace:
+                trace(lambda: md.calc_attn(q, k, v, key), f"{kind}_cp{cp}_deg{args.degree}", rank, group)  # noqa: B023
 
             # (a) the same stages with K/V already in place: one call per stage on local K/V sized buffers
             stage_inputs = []

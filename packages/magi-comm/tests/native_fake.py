@@ -208,7 +208,10 @@ class CopyLaunch:
     raw addresses, each viewed as far as the table writes or reads it. With ``direct`` it reads
     the peers' map headers and the output table at launch time, as the kernel does."""
 
-    def __init__(self, table, peers, dtype, *, vec=1, num_warps=8, fence=0, direct=None, world=None):
+    def __init__(
+        self, table, peers, dtype, *, vec=1, num_warps=8, fence=0, direct=None, max_programs=0, world=None
+    ):
+        assert max_programs >= 0
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.world = world
 

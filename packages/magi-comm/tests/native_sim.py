@@ -20,6 +20,7 @@ from magi_comm.backends._native_layout import (
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
+    TaskTable,
     apply_blocks,
     build_reduce_terms,
     build_schedule,
@@ -30,9 +31,10 @@ from magi_comm.backends._native_layout import (
 ROW_WORDS = 3
 
 
-def _copy(use_triton: bool):
+def _copy(use_triton: bool, max_programs: int = 0):
     """``run(table, src, sink, peers, world, direct=None)``: the copy kernel's reference, or the
-    Triton kernel. ``direct[c] = (peer c's output, word offset of each pair split)`` as for
+    Triton kernel (with at most ``max_programs`` programs striding over the blocks; 0: one per
+    block). ``direct[c] = (peer c's output, word offset of each pair split)`` as for
     :func:`apply_blocks`; the Triton path hands it to the kernel the way the backend does: a
     map area ``[1 + allocation, byte offsets...]`` per peer and a table of allocation bases."""
     if not use_triton:
@@ -56,7 +58,18 @@ def _copy(use_triton: bool):
                     bases[0, c] = x[0].data_ptr()
             run.keep = (maps, bases)
             args = (maps.data_ptr(), bases.data_ptr(), width)
-        launch = CopyLaunch(table, addr, src.dtype, vec=1, num_warps=1, fence=fence.data_ptr(), direct=args)
+        launch = CopyLaunch(
+            table,
+            addr,
+            src.dtype,
+            vec=1,
+            num_warps=1,
+            fence=fence.data_ptr(),
+            direct=args,
+            max_programs=max_programs,
+        )
+        want = min(table.num_blocks, max_programs) if max_programs else table.num_blocks
+        assert launch.grid[0] == want, (launch.grid, table.num_blocks, max_programs)
         launch(src.data_ptr(), sink.data_ptr())
 
     return run
@@ -71,7 +84,13 @@ def _split_starts(plan, src: int) -> list[int]:
 
 
 def simulate(
-    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, direct_ranks=frozenset()
+    lay: lib.Layout,
+    kind: str,
+    R: int,
+    block_words: int,
+    use_triton: bool = False,
+    direct_ranks=frozenset(),
+    max_programs: int = 0,
 ):
     """Returns per rank the sink (cast: output, reduce: concatenated receive rows) as (rows, 3).
 
@@ -85,7 +104,7 @@ def simulate(
         plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
         sink_kind = SINK_CONCAT
     scheds = [build_schedule(p, R, sink_kind) for p in plans]
-    copy = _copy(use_triton)
+    copy = _copy(use_triton, max_programs)
     inputs = [
         (torch.arange(p.num_input_rows * ROW_WORDS, dtype=torch.int64) + 1_000_000 * (r + 1))
         for r, p in enumerate(plans)
@@ -152,9 +171,15 @@ def expected(lay: lib.Layout, kind: str, inputs, plans):
 
 
 def check_layout(
-    lay: lib.Layout, kind: str, R: int, block_words: int, use_triton: bool = False, direct_ranks=frozenset()
+    lay: lib.Layout,
+    kind: str,
+    R: int,
+    block_words: int,
+    use_triton: bool = False,
+    direct_ranks=frozenset(),
+    max_programs: int = 0,
 ) -> None:
-    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton, direct_ranks)
+    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton, direct_ranks, max_programs)
     exp = expected(lay, kind, inputs, plans)
     for d in range(lay.world):
         assert torch.equal(sinks[d], exp[d]), (kind, R, block_words, d, lay)
@@ -167,13 +192,28 @@ def main_triton(n: int = 12) -> None:
         world = rng.randint(1, 4)
         lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
         for kind in ("cast", "reduce"):
-            check_layout(
-                lay, kind, R=rng.choice([1, 2, 3, 50]), block_words=rng.choice([2, 4, 16]), use_triton=True
-            )
+            # max_programs: also grids smaller than the table (programs stride over the blocks)
+            R, bw, programs = rng.choice([1, 2, 3, 50]), rng.choice([2, 4, 16]), rng.choice([0, 1, 2])
+            check_layout(lay, kind, R=R, block_words=bw, use_triton=True, max_programs=programs)
         direct = frozenset(r for r in range(world) if rng.random() < 0.6)
         check_layout(
-            lay, "cast", R=rng.choice([1, 3, 50]), block_words=4, use_triton=True, direct_ranks=direct
+            lay,
+            "cast",
+            R=rng.choice([1, 3, 50]),
+            block_words=4,
+            use_triton=True,
+            direct_ranks=direct,
+            max_programs=rng.choice([0, 3]),
         )
+    from magi_comm.backends._native_kernels import CopyLaunch
+
+    try:
+        one_task = TaskTable(torch.tensor([0]), torch.tensor([4]), torch.tensor([[-1, 0]]))
+        CopyLaunch(to_blocks(one_task, 1, 4), [None], torch.int64, max_programs=-1)
+    except ValueError as e:
+        assert "max_programs" in str(e) and "-1" in str(e), e
+    else:
+        raise AssertionError("CopyLaunch accepted max_programs=-1")
     print("native_sim triton ok", file=sys.stderr)
 
 

@@ -298,3 +298,19 @@ def test_stream_priority_env_rejects_garbage(monkeypatch):
     monkeypatch.setenv(native.ENV_STREAM_PRIORITY, "high")
     with pytest.raises(ValueError, match=r"MAGI_COMM_NATIVE_STREAM_PRIORITY.*'high'"):
         NativeConfig.from_env()
+
+
+@pytest.mark.parametrize("env, expect", [(None, 128), ("0", 0), ("24", 24)])
+def test_max_programs_from_env(monkeypatch, env, expect):
+    if env is None:
+        monkeypatch.delenv(native.ENV_MAX_PROGRAMS, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV_MAX_PROGRAMS, env)
+    assert NativeConfig.from_env().max_programs == expect
+
+
+@pytest.mark.parametrize("bad", ["-1", "many"])
+def test_max_programs_env_rejects_bad_values(monkeypatch, bad):
+    monkeypatch.setenv(native.ENV_MAX_PROGRAMS, bad)
+    with pytest.raises(ValueError, match=rf"MAGI_COMM_NATIVE_MAX_PROGRAMS.*{bad}"):
+        NativeConfig.from_env()

@@ -96,6 +96,7 @@ def _copy_kernel(
     maps,
     alloc_base,
     fence,
+    nblocks,
     DT: tl.constexpr,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -108,18 +109,22 @@ def _copy_kernel(
     # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
     # peer's region area, NVLink-mapped) are addresses: symmetric-heap and peer memory is
     # addressed through plain integers, as in the verified peer-store recipe.
-    b = tl.program_id(0)
-    t = tl.load(blk_task + b).to(tl.int64)
-    start = tl.load(blk_start + b)
-    n = tl.load(task_len + t)
+    # Program p copies blocks p, p + grid, ...: a grid smaller than the table
+    # (NativeConfig.max_programs) leaves the other SMs to a kernel running beside the copy.
     offs = tl.arange(0, BLOCK)
-    mask = offs < n - start
-    s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
-    vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
-    _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
-    for c in tl.static_range(W):
-        _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs, vals,
-                  mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
+    b = tl.program_id(0)
+    while b < nblocks:
+        t = tl.load(blk_task + b).to(tl.int64)
+        start = tl.load(blk_start + b)
+        n = tl.load(task_len + t)
+        mask = offs < n - start
+        s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
+        vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
+        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
+        for c in tl.static_range(W):
+            _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
+                      vals, mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
+        b += tl.num_programs(0)
     if FENCE:
         # Make this program's peer stores visible system-wide before the kernel can complete
         # (and hence before the stream-ordered NVSHMEM ready signal): CTA barrier, then one
@@ -216,15 +221,20 @@ class CopyLaunch:
             peer publishes ``[header, split starts...]`` before the launch, ``alloc_base`` the
             address of the int64 ``(allocations, W)`` table of peers' symmetric allocations
             (see the backend's direct mode). None: regions only.
+        max_programs: most programs in the grid (they stride over the blocks); 0: one program
+            per block.
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
-                 num_warps: int = 8, fence: int = 0,
-                 direct: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+                 num_warps: int = 8, fence: int = 0, direct: tuple[int, int, int] | None = None,
+                 max_programs: int = 0) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
-        self.grid = (table.num_blocks, 1, 1)
+        if max_programs < 0:
+            raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {max_programs}")
+        programs = min(table.num_blocks, max_programs) if max_programs else table.num_blocks
+        self.grid = (programs, 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
         self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
         # Built on the host and moved without blocking it (the caller's current stream orders
@@ -247,6 +257,7 @@ class CopyLaunch:
             direct[0] if direct else self.filler,
             direct[1] if direct else self.filler,
             fence or self.filler,
+            table.num_blocks,
         )
         self.consts = dict(
             DT=_TL[dtype],

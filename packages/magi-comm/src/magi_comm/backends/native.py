@@ -93,6 +93,7 @@ from ._native_layout import (
 __all__ = [
     "ENV_BUFFER_MB",
     "ENV_FUSED_REDUCE",
+    "ENV_MAX_PROGRAMS",
     "ENV_STREAM_PRIORITY",
     "NativeBackend",
     "NativeConfig",
@@ -104,6 +105,7 @@ logger = logging.getLogger(__name__)
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
 ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
+ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _READY, _ACK, _ARM = 0, 1, 2
@@ -136,6 +138,13 @@ class NativeConfig:
             attention kernel of the stage being overlapped) retire; at 0 the block scheduler
             runs the earlier kernel's remaining programs first, so a cast issued beside a long
             kernel waits for that kernel's last wave.
+        max_programs: most programs (CTAs) of one copy-kernel launch; they stride over the
+            blocks (``$MAGI_COMM_NATIVE_MAX_PROGRAMS``; 0: one program per block). With one
+            program per block a copy takes every SM that a kernel running beside it frees
+            until the copy is done, so an attention stage overlapped with a cast runs about
+            as long as the two back to back. The default, 128, packs the copy onto the few SMs
+            that free up first (several programs fit one SM), so the two overlap (measured in
+            docs/perf.md, "overlap" in the magi-dist section).
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -146,22 +155,21 @@ class NativeConfig:
     map_entries: int = 8192
     max_outputs: int = 64
     stream_priority: int = -1
+    max_programs: int = 128
 
     @staticmethod
     def from_env() -> NativeConfig:
-        kw = {}
-        kw["fused_reduce"] = os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
-        prio = os.environ.get(ENV_STREAM_PRIORITY, "").strip()
-        if prio:
-            try:
-                kw["stream_priority"] = int(prio)
-            except ValueError:
-                raise ValueError(f"${ENV_STREAM_PRIORITY} must be an integer, got {prio!r}") from None
+        off = ("0", "false", "no", "off")
+        kw = {"fused_reduce": os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in off}
+        for field, env in (("stream_priority", ENV_STREAM_PRIORITY), ("max_programs", ENV_MAX_PROGRAMS)):
+            value = os.environ.get(env, "").strip()
+            if value:
+                try:
+                    kw[field] = int(value)
+                except ValueError:
+                    raise ValueError(f"${env} must be an integer, got {value!r}") from None
+        if kw.get("max_programs", 0) < 0:
+            raise ValueError(f"${ENV_MAX_PROGRAMS} must be >= 0, got {kw['max_programs']}")
         mb = os.environ.get(ENV_BUFFER_MB)
         if mb:
             try:
@@ -684,7 +692,7 @@ class NativeBackend:
                 return self._layout(plan, sink_kind, rbs, ws)
             sched = self._schedule(plan, R, sink_kind)
             per_field = []
-            make, nw = self._kernels.CopyLaunch, self.config.num_warps
+            make, nw, cap = self._kernels.CopyLaunch, self.config.num_warps, self.config.max_programs
             # a cast's sends read the peers' maps: they may write straight into peer outputs
             direct = (st.maps.data_ptr(), st.output_bases.data_ptr(), st.map_width)
             direct = direct if sink_kind == SINK_SCATTER else None
@@ -702,9 +710,16 @@ class NativeBackend:
                         launches.append(
                             (
                                 make(
-                                    send, peers, dt, vec=vec, num_warps=nw, fence=st.fence_addr, direct=direct
+                                    send,
+                                    peers,
+                                    dt,
+                                    vec=vec,
+                                    num_warps=nw,
+                                    fence=st.fence_addr,
+                                    direct=direct,
+                                    max_programs=cap,
                                 ),
-                                make(recv, [None] * W, dt, vec=vec, num_warps=nw),
+                                make(recv, [None] * W, dt, vec=vec, num_warps=nw, max_programs=cap),
                             )
                         )
                     per_field.append((off, launches))
