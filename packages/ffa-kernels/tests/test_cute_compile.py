@@ -114,18 +114,6 @@ VARIANTS = list(
 )  # (head_dim, dtype, softcap, accumulate)
 
 
-def _read_c_values(spec, addrs) -> list:
-    import ctypes
-
-    from ffa_kernels.cute.launcher import _CTYPE
-
-    out = []
-    for (kind, _, _), a in zip(spec, addrs, strict=True):
-        a = a.value if isinstance(a, ctypes.c_void_p) else int(a)
-        out.append(_CTYPE[kind].from_address(a).value)
-    return out
-
-
 def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
     """The packed launcher hands the compiled host function exactly the C values the DSL's own
     marshalling would, for random argument values (nothing is launched: a spy takes the call)."""
@@ -147,12 +135,12 @@ def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
         execution_args = fn.execution_args
 
         def run_compiled_program(self, addrs):
-            seen.append(_read_c_values(spec, addrs))
+            seen.append(launcher.read_c_values(spec, addrs))
 
     launcher.PackedLauncher(Spy(), spec)(vals)
     dsl_objects = tuple(launcher.dsl_args(spec, vals, elem))
     exe_args, _adapted = fn.execution_args.generate_execution_args(dsl_objects, {})
-    assert seen == [_read_c_values(spec, exe_args)]
+    assert seen == [launcher.read_c_values(spec, exe_args)]
 
 
 def test_compile_every_variant(tmp_path, monkeypatch):

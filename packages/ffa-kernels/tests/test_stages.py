@@ -14,6 +14,7 @@ from ffa_kernels import (
     ffa_forward,
     ffa_forward_stage,
     flex_flash_attn_func,
+    forward_accumulators,
     merge_lse_,
     sink_backward,
 )
@@ -339,3 +340,17 @@ def test_finite_merge_equals_guarded_merge():
     torch.testing.assert_close(got_l, ref_l, rtol=0, atol=0)
     torch.testing.assert_close(got_o, ref_o, rtol=1e-12, atol=1e-12)
     assert torch.all(got_o[3:5] == 0) and torch.all(got_l[3:5] == float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_forward_accumulators(dtype):
+    """Fresh stage accumulators: zeros / -inf in float32 (float64 for float64 q), q's shape."""
+    q = torch.randn(5, 3, 4).to(dtype)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    out, lse, ml = forward_accumulators(q, max_logits=True)
+    assert (out.shape, lse.shape, ml.shape) == ((5, 3, 4), (5, 3), (3,))
+    assert out.dtype == lse.dtype == ml.dtype == want
+    assert bool((out == 0).all()) and bool((lse == NEG_INF).all()) and bool((ml == NEG_INF).all())
+    assert forward_accumulators(q)[2] is None
+    with pytest.raises(ValueError, match="q must be a"):
+        forward_accumulators(q[0])

@@ -6,18 +6,25 @@ Public API (the contract is API.md):
   sink_layout="sh", softmax_scale=None, softcap=0.0, deterministic=False,
   return_max_logits=False) -> (out, AttnForwardMeta(lse, max_logits))`
 - per-stage API for combining several calls over different key sets exactly (magi-dist):
-  `ffa_forward_stage`, `ffa_backward_stage`, `apply_sink`, `sink_backward`, `merge_lse_`; and
-  `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
+  `ffa_forward_stage` (with `forward_accumulators`, `accumulator_dtype`), `ffa_backward_stage`,
+  `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
 - mask type codes `MaskType` / `FULL`, `CAUSAL`, `INVCAUSAL`, `BICAUSAL`, and `mask_type_code`.
 
 Backend: ``FFA_BACKEND=reference|cute``; by default the CuTe kernels on CUDA compute capability
 9.x when ``ffa_kernels.cute`` is importable, the pure-torch reference elsewhere.
 """
 
-from ._frontend import ffa_backward_stage, ffa_forward, ffa_forward_stage, flex_flash_attn_func
+from ._frontend import (
+    ffa_backward_stage,
+    ffa_forward,
+    ffa_forward_stage,
+    flex_flash_attn_func,
+    forward_accumulators,
+)
 from ._merge import merge_lse_
 from ._sink import apply_sink, sink_backward, sink_lse
 from ._types import BICAUSAL, CAUSAL, FULL, INVCAUSAL, AttnForwardMeta, MaskType, mask_type_code
+from ._validate import accumulator_dtype
 
 __version__ = "0.1.0"
 
@@ -29,11 +36,13 @@ __all__ = [
     "AttnForwardMeta",
     "MaskType",
     "__version__",
+    "accumulator_dtype",
     "apply_sink",
     "ffa_backward_stage",
     "ffa_forward",
     "ffa_forward_stage",
     "flex_flash_attn_func",
+    "forward_accumulators",
     "mask_type_code",
     "merge_lse_",
     "sink_backward",

@@ -22,6 +22,7 @@ from ._sink import apply_sink, sink_backward
 from ._types import AttnForwardMeta
 from ._validate import (
     ValidatedAttnArgs,
+    accumulator_dtype,
     check_accumulator,
     check_bool,
     check_float_tensor,
@@ -115,11 +116,7 @@ def _forward_whole(
             )
         except NotImplementedError as exc:
             _kernel_declined(exc)
-    tq, hq, d = args.q.shape
-    dtype, dev = args.compute_dtype, args.q.device
-    out_acc = torch.zeros((tq, hq, d), dtype=dtype, device=dev)
-    lse_acc = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=dev)
-    max_acc = torch.full((hq,), _NEG_INF, dtype=dtype, device=dev) if return_max_logits else None
+    out_acc, lse_acc, max_acc = forward_accumulators(args.q, max_logits=return_max_logits)
     reference_forward_stage(args, out_acc, lse_acc, max_acc)
     apply_sink(out_acc, lse_acc, sink, sink_layout)
     return out_acc, lse_acc, max_acc
@@ -139,6 +136,23 @@ def _backward_stage(
 
 
 # ----------------------------------------------------------------------------- stage API
+
+
+def forward_accumulators(
+    q: torch.Tensor, *, max_logits: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fresh accumulators for `ffa_forward_stage` calls over the rows of ``q`` ``(Tq, Hq, D)``:
+    ``out`` zeros ``(Tq, Hq, D)``, ``lse`` ``-inf`` ``(Tq, Hq)`` and, with ``max_logits``, a
+    ``-inf`` ``(Hq,)`` (else None); on q's device, in `accumulator_dtype` (float32; float64
+    for float64 q)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"forward_accumulators: q must be a (Tq, Hq, D) tensor, got {q!r:.80}")
+    tq, hq, d = q.shape
+    dtype = accumulator_dtype(q.dtype)
+    out = torch.zeros((tq, hq, d), dtype=dtype, device=q.device)
+    lse = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=q.device)
+    ml = torch.full((hq,), _NEG_INF, dtype=dtype, device=q.device) if max_logits else None
+    return out, lse, ml
 
 
 def ffa_forward_stage(
@@ -162,7 +176,8 @@ def ffa_forward_stage(
             device; ``Hq % Hk == 0``.
         q_ranges, k_ranges: int32 ``(N, 2)``, this stage's slices (in the coordinates of q and k).
         attn_type_map: int32 ``(N,)`` mask type codes, or None for all FULL.
-        out_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), initialised by the caller to 0.
+        out_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), initialised by the caller to 0
+            (`forward_accumulators` makes all three).
         lse_acc: float32 ``(Tq, Hq)`` (float64 allowed), initialised by the caller to ``-inf``.
         softmax_scale: None means ``D ** -0.5``.
         softcap: logits ``softcap * tanh(scale * q.k / softcap)`` when > 0.

@@ -19,6 +19,7 @@ from ._identity_cache import IdentityCache
 __all__ = [
     "SUPPORTED_DTYPES",
     "ValidatedAttnArgs",
+    "accumulator_dtype",
     "check_accumulator",
     "check_bool",
     "check_float_tensor",
@@ -29,6 +30,12 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SINK_LAYOUTS = ("sh", "ssh")
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype that attention over inputs of ``dtype`` accumulates in: float64 for float64
+    (the reference path's exact checks), float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,8 @@ class ValidatedAttnArgs:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """float64 for float64 inputs, float32 otherwise (the dtype of the reference math)."""
-        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+        """The dtype of the reference math and of the stage accumulators (`accumulator_dtype`)."""
+        return accumulator_dtype(self.q.dtype)
 
 
 def _desc(t: torch.Tensor) -> str:

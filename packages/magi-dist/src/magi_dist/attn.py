@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from ffa_kernels import (
     AttnForwardMeta,
+    accumulator_dtype,
     apply_sink,
     ffa_backward_stage,
     ffa_forward,
     ffa_forward_stage,
+    forward_accumulators,
     sink_backward,
 )
 from magi_comm import group_cast, group_reduce
@@ -130,12 +132,6 @@ def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, sof
     )
 
 
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """Accumulators are float32, float64 for float64 inputs (the CPU reference path): the
-    ``compute_dtype`` of ffa_kernels' validated arguments, which the stage calls accumulate in."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _single_stage(q, k, v, st: StageTensors, sink, sink_layout, scale, softcap, want_max):
     """The forward of a rank whose rows see one key set (degree 0, or no remote keys): one
     kernel call with the sink inside, output written in q's dtype (no float32 accumulators)."""
@@ -157,12 +153,8 @@ def _single_stage(q, k, v, st: StageTensors, sink, sink_layout, scale, softcap, 
 def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
     """Host stage on local K/V, then each remote stage as its K/V arrive (the next one
     prefetched meanwhile), merged into float32 accumulators; the sink is applied once at the end."""
-    tq, hq, d = q.shape
     dev = q.device
-    acc = _acc_dtype(q)
-    out = torch.zeros((tq, hq, d), dtype=acc, device=dev)
-    lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=dev)
-    ml = torch.full((hq,), float("-inf"), dtype=acc, device=dev) if want_max else None
+    out, lse, ml = forward_accumulators(q, max_logits=want_max)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
     kv = _pack(k, v) if n else None
@@ -199,7 +191,7 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
 def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
     tk, hk, d = k.shape
     dev = q.device
-    f32 = _acc_dtype(q)
+    f32 = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=f32, device=dev)
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)

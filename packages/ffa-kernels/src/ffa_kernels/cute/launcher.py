@@ -118,6 +118,16 @@ def _sentinels(spec) -> list:
     return vals
 
 
+def read_c_values(spec, addrs) -> list:
+    """The C values at ``addrs`` (one address per argument of ``spec``: ints or c_void_p), read
+    with each argument's C type."""
+    out = []
+    for (kind, _, _), addr in zip(spec, addrs, strict=True):
+        addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
+        out.append(_CTYPE[kind].from_address(addr).value)
+    return out
+
+
 def packed_matches_dsl(fn, spec, elem_dtype) -> bool:
     """Whether the DSL marshals ``spec`` as one address of a C value per argument, as
     `PackedLauncher` does (checked on distinct sentinel values; nothing is launched)."""
@@ -128,9 +138,7 @@ def packed_matches_dsl(fn, spec, elem_dtype) -> bool:
         exe_args, _adapted = fn.execution_args.generate_execution_args(args, {})
         if len(exe_args) != len(spec):
             return False
-        for (kind, _, _), addr, val in zip(spec, exe_args, vals):
-            addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
-            seen = _CTYPE[kind].from_address(addr).value
+        for (kind, _, _), seen, val in zip(spec, read_c_values(spec, exe_args), vals):
             if (seen != val) if kind != "f32" else abs(seen - val) > 1e-6:
                 return False
         return callable(getattr(fn, "run_compiled_program", None))
