@@ -170,16 +170,9 @@ def expected(lay: lib.Layout, kind: str, inputs, plans):
     return [torch.cat(chunks[d]) if chunks[d] else inputs[d][:0] for d in range(W)]
 
 
-def check_layout(
-    lay: lib.Layout,
-    kind: str,
-    R: int,
-    block_words: int,
-    use_triton: bool = False,
-    direct_ranks=frozenset(),
-    max_programs: int = 0,
-) -> None:
-    sinks, inputs, plans = simulate(lay, kind, R, block_words, use_triton, direct_ranks, max_programs)
+def check_layout(lay: lib.Layout, kind: str, R: int, block_words: int, **options) -> None:
+    """`simulate` (``options``: its keyword arguments) against the oracle, rank by rank."""
+    sinks, inputs, plans = simulate(lay, kind, R, block_words, **options)
     exp = expected(lay, kind, inputs, plans)
     for d in range(lay.world):
         assert torch.equal(sinks[d], exp[d]), (kind, R, block_words, d, lay)
