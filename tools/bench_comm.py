@@ -66,10 +66,12 @@ def layout(rank: int, world: int, rows: int):
 def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     """Seconds per call: slowest rank, CUDA events on the current stream.
 
-    ``ahead``: the GPU first sleeps long enough for the host to enqueue all ``iters`` calls, so
-    the time is the device's alone (the host path hidden, as when a cast is issued ahead of the
-    kernels it overlaps). NaN when the host did not get ahead of the sleep on every rank (a
-    host path that waited for the GPU: no device time to report)."""
+    ``ahead``: the GPU first sleeps for a fixed time (~0.5 ms per call), meant to let the host
+    enqueue all ``iters`` calls first, so the time is the device's alone (the host path hidden,
+    as when a cast is issued ahead of the kernels it overlaps). NaN when the host took longer
+    than the sleep on some rank (no device time to report). Either way the ranks' streams meet
+    in an all_reduce right before the first timed call, so no rank's time includes waiting for
+    another rank to start."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -78,6 +80,7 @@ def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     slept.record()
     if ahead:
         torch.cuda._sleep(iters * 1_000_000)  # ~0.5 ms per call at ~2 GHz
+    dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))  # device-side start line
     start.record()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -123,10 +126,19 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
 
 
 def peer_push(
-    state, rank: int, world: int, words: int, block_words: int, dev, fenced: bool = True, num_warps: int = 8
+    state,
+    rank: int,
+    world: int,
+    words: int,
+    block_words: int,
+    dev,
+    fenced: bool = True,
+    num_warps: int = 8,
+    max_programs: int = 0,
 ):
     """A copy-kernel launch (built once) that pushes ``words`` int64 words from a source address
-    to the next rank's symmetric buffer: call it as ``launch(src_address, 0, stream)``."""
+    to the next rank's symmetric buffer: call it as ``launch(src_address, 0, stream)``.
+    ``max_programs``: the grid cap, as the backend's ``NativeConfig.max_programs`` (0: none)."""
     from magi_comm.backends._native_kernels import CopyLaunch
     from magi_comm.backends._native_layout import TaskTable, to_blocks
 
@@ -139,18 +151,28 @@ def peer_push(
         TaskTable(torch.zeros(1, dtype=torch.int64), torch.tensor([words]), dst_rows), 1, block_words
     )
     fence = state.fence_addr if fenced else 0
-    return CopyLaunch(table.to(dev), peer_addr, torch.int64, vec=2, fence=fence, num_warps=num_warps)
+    return CopyLaunch(
+        table.to(dev),
+        peer_addr,
+        torch.int64,
+        vec=2,
+        fence=fence,
+        num_warps=num_warps,
+        max_programs=max_programs,
+    )
 
 
 def sweep_kernel(nat, rank: int, world: int, dev, mib: float, iters: int = 20) -> None:
     """GB/s of the raw copy kernel pushing ``mib`` MiB to the next rank, per block size and warp
     count (rank 0 prints; the backend's setting is NativeConfig.block_bytes / num_warps)."""
-    state = nat._backend._state
+    state, cap = nat._backend._state, nat._backend.config.max_programs
     nbytes = int(mib * (1 << 20)) // 16 * 16
     x = torch.randn(nbytes // 2, device=dev).to(torch.bfloat16)
     for block_bytes in (8192, 16384, 32768, 65536):
         for warps in (4, 8, 16):
-            push = peer_push(state, rank, world, nbytes // 8, block_bytes // 8, dev, num_warps=warps)
+            push = peer_push(
+                state, rank, world, nbytes // 8, block_bytes // 8, dev, num_warps=warps, max_programs=cap
+            )
             sec = timed(lambda push=push: push(x.data_ptr(), 0, None), iters, 3)
             if rank == 0:
                 print(f"kernel {mib:g} MiB block {block_bytes:6d} B warps {warps:2d}: "
@@ -163,18 +185,20 @@ def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
     """Microseconds per step of the native backend's stream-ordered pieces, alone (rank 0 prints):
     a signal to the peer plus the wait for the peer's signal; a one-block copy kernel with and
     without its system-scope fence."""
+    from magi_comm.backends._native_protocol import READY
+
     st = nat._backend._state
-    peer = (rank + 1) % world
-    base = [0x7FFF0000]  # signal values far above any transport's counters; zeroed again below
+    peer, source = (rank + 1) % world, (rank - 1) % world
+    count = [0]  # signals from the source so far (a fresh backend: its slots are zeroed below)
     x = torch.zeros(1024, dtype=torch.int64, device=dev)
     fenced = peer_push(st, rank, world, 1024, 1024, dev)
     plain = peer_push(st, rank, world, 1024, 1024, dev, fenced=False)
     torch.cuda.synchronize()
 
     def sig():
-        base[0] += 1
-        st.signal(0, peer, base[0])
-        st.wait(0, peer, base[0])
+        count[0] += 1
+        st.signal(READY, peer)
+        st.wait(READY, source, count[0])
 
     def copy_fenced():
         fenced(x.data_ptr(), 0, st.stream)
@@ -222,9 +246,11 @@ def trace(fn, rank: int, name: str, iters: int = 10) -> None:
 
 
 def run_size(
-    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False
+    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False, nat_host=None
 ) -> None:
-    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB."""
+    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB.
+    ``nat_host``: a second native collective with the handshake on the host (NVSHMEM signal
+    and wait operations), checked and timed alongside as ``native-host``."""
     rows = int(mib * (1 << 20)) // ROW_BYTES
     cross = rows * ROW_BYTES * (world - 1)
     iters = iters or (50 if mib <= 4 else 20)
@@ -249,6 +275,16 @@ def run_size(
     nat.group_reduce(part, red_n, outs, ins, src, dst).wait()
     a2a.group_reduce(part, red_a, outs, ins, src, dst).wait()
     ok_red = torch.equal(red_n.view(torch.int16), red_a.view(torch.int16))
+    if nat_host is not None:
+        out_h = torch.full_like(out_n, float("nan"))
+        nat_host.group_cast(x, out_h, ins, outs, dst, src).wait()
+        out_d.fill_(float("nan"))
+        nat_host.group_cast(x, out_d, ins, outs, dst, src).wait()
+        ok_cast &= torch.equal(out_h.view(torch.int16), out_a.view(torch.int16))
+        ok_cast &= torch.equal(out_d.view(torch.int16), out_a.view(torch.int16))
+        red_h = acc0.clone()
+        nat_host.group_reduce(part, red_h, outs, ins, src, dst).wait()
+        ok_red &= torch.equal(red_h.view(torch.int16), red_a.view(torch.int16))
     flags = torch.tensor([int(ok_cast), int(ok_red)], dtype=torch.int64, device=dev)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
@@ -287,6 +323,12 @@ def run_size(
         nat.free_output(out_d)
         return
     for ahead, tag in ((False, ""), (True, " ahead")):
+        if nat_host is not None:
+            for op, out in (("cast", out_n), ("cast-sym", out_d)):
+                call = lambda out=out: nat_host.group_cast(x, out, ins, outs, dst, src)  # noqa: E731
+                log(op, mib, "native-host" + tag, timed(call, iters, 3, ahead), cross)
+            call = lambda: nat_host.group_reduce(part, red, outs, ins, src, dst)  # noqa: E731
+            log("reduce", mib, "native-host" + tag, timed(call, iters, 3, ahead), cross)
         log("cast", mib, "native" + tag, timed(cast_n, iters, 3, ahead), cross)
         log("cast-sym", mib, "native" + tag, timed(cast_d, iters, 3, ahead), cross)
         log("cast", mib, "a2av" + tag, timed(cast_a, iters, 3, ahead), cross)
@@ -303,7 +345,10 @@ def run_size(
         peer = (rank + 1) % world
         dst_view = state.peers[peer][:nbytes]
         src_bytes = x.view(-1).view(torch.uint8)[:nbytes]
-        push = peer_push(state, rank, world, nbytes // 8, nat._backend.config.block_bytes // 8, dev)
+        cfg = nat._backend.config
+        push = peer_push(
+            state, rank, world, nbytes // 8, cfg.block_bytes // 8, dev, max_programs=cfg.max_programs
+        )
 
         def raw_copy():
             dst_view.copy_(src_bytes)
@@ -322,6 +367,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,16,64", help="MiB sent by each rank to the others")
     ap.add_argument("--iters", type=int, default=0, help="0 = by size")
+    ap.add_argument(
+        "--compare-handshake",
+        action="store_true",
+        help="also time native with the handshake on the host (NVSHMEM operations): 'native-host'",
+    )
     ap.add_argument("--signal-latency", action="store_true", help="time the native signal/copy steps alone")
     ap.add_argument(
         "--sweep-kernel", action="store_true", help="raw copy kernel GB/s per block size and warps, no timing"
@@ -345,6 +395,12 @@ def main() -> int:
     need = int(max(sizes) * (1 << 20) * 1.1)
     os.environ.setdefault(native_mod.ENV_BUFFER_MB, str(max(256, need * 2 >> 20)))
     nat = GroupCollective(None, "native")
+    nat_host = None
+    if args.compare_handshake:  # same group state, config read from the environment at creation
+        os.environ[native_mod.ENV_DEVICE_HANDSHAKE] = "0"
+        nat_host = GroupCollective(None, "native")
+        del os.environ[native_mod.ENV_DEVICE_HANDSHAKE]
+        assert nat._backend.config.device_handshake and not nat_host._backend.config.device_handshake
     a2a = GroupCollective(None, "a2av")
     results = []
 
@@ -362,7 +418,7 @@ def main() -> int:
             sweep_kernel(nat, rank, world, dev, mib)
         sizes = []
     for mib in sizes:
-        run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host)
+        run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host, nat_host)
 
     if rank == 0 and results:
         by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
@@ -371,8 +427,11 @@ def main() -> int:
         print("cast-sym: the output from empty_output (symmetric heap: direct mode, no receive copy)")
         print("back to back: calls issued one after the other, host path included; host ahead: the")
         print("host enqueued every call before the GPU reached the first (device time alone)\n")
-        print("| op | MiB | timing | native | a2av | native/a2av | raw copy | raw kernel | native/raw copy |")
-        print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+        print("native-host: the handshake through NVSHMEM's on-stream operations (--compare-handshake)\n")
+        print(
+            "| op | MiB | timing | native | native-host | a2av | native/a2av | raw copy | raw kernel | native/raw copy |"
+        )
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         for op in ("cast", "cast-sym", "reduce"):
             for mib in sizes:
@@ -380,14 +439,17 @@ def main() -> int:
                 for tag, timing in (("", "back to back"), (" ahead", "host ahead")):
                     # a2av has no symmetric outputs: its empty_output is torch.empty, the same cast
                     # NaN (the host did not get ahead) shows as "-"
-                    n = by.get((op, mib, "native" + tag))
+                    n, h = by.get((op, mib, "native" + tag)), by.get((op, mib, "native-host" + tag))
                     a = by.get((op.removesuffix("-sym"), mib, "a2av" + tag))
-                    n, a = (None if v is None or v != v else v for v in (n, a))
+                    n, h, a = (None if v is None or v != v else v for v in (n, h, a))
                     ratio = "-" if not (n and a) else f"{n / a:.2f}x"
                     vs_raw = "-" if not (n and rc) else f"{100 * n / rc:.0f}%"
                     print(
-                        f"| {op} | {mib:.0f} | {timing} | {f(n)} | {f(a)} | {ratio} | {f(rc)} | {f(rk)} | {vs_raw} |"
+                        f"| {op} | {mib:.0f} | {timing} | {f(n)} | {f(h)} | {f(a)} | {ratio} | {f(rc)} | {f(rk)} "
+                        f"| {vs_raw} |"
                     )
+    if nat_host is not None:
+        nat_host.close()
     nat.close()
     a2a.close()
     native_mod.shutdown()

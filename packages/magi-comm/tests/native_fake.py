@@ -24,6 +24,7 @@ import types
 import native_sim
 import torch
 
+from magi_comm.backends import _native_protocol as proto
 from magi_comm.backends._native_layout import apply_blocks
 
 TIMEOUT = 30.0
@@ -39,6 +40,12 @@ class FakeWorld:
         self.box = None
         self.signals = 0
         self.waits = 0
+        self.kernel_signals = 0  # handshake steps done by the (fake) kernels
+        self.kernel_waits = 0
+        self.host_ops_by = [0] * world
+        self.copy_program_caps: set[int] = (
+            set()
+        )  # max_programs of every copy launch built  # NVSHMEM on-stream signal and wait operations per PE
         self.reduces = 0  # launches of the fused reduction kernel
         self.puts = 0
         self.puts_by = [0] * world
@@ -92,12 +99,12 @@ class FakeWorld:
 
     def signal_op_on_stream(self, addr, value, op, pe, stream):
         idx, off = self._find(addr)
-        assert off % 8 == 0 and op == SignalOp.SIGNAL_SET
+        assert off % 8 == 0 and op == SignalOp.SIGNAL_ADD and value == 1, "signals add 1"
         with self.cond:
             target = self.heaps[pe][idx].view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
-            assert int(target[0]) <= value, "signals must be monotonic"
-            target[0] = value
+            target[0] += value
             self.signals += 1
+            self.host_ops_by[self.pe] += 1
             self.cond.notify_all()
 
     def putmem_signal_on_stream(self, dest, source, nbytes, sig_addr, value, op, pe, stream):
@@ -116,8 +123,24 @@ class FakeWorld:
         slot = self.heaps[self.pe][idx].view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
         with self.cond:
             self.waits += 1
+            self.host_ops_by[self.pe] += 1
             if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
                 raise TimeoutError(f"PE {self.pe}: signal wait for >= {value} timed out (deadlock)")
+
+    # -- the kernels' handshake (system-scope atomics on raw addresses) --------------------------
+
+    def kernel_add(self, addr: int) -> None:
+        with self.cond:
+            _words_at(addr, 1, torch.int64)[0] += 1
+            self.kernel_signals += 1
+            self.cond.notify_all()
+
+    def kernel_wait(self, addr: int, value: int) -> None:
+        slot = _words_at(addr, 1, torch.int64)
+        with self.cond:
+            self.kernel_waits += 1
+            if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
+                raise TimeoutError(f"PE {self.pe}: kernel wait for >= {value} timed out (deadlock)")
 
     def barrier_all_on_stream(self, stream):
         self.barrier.wait()
@@ -209,11 +232,25 @@ class CopyLaunch:
     the peers' map headers and the output table at launch time, as the kernel does."""
 
     def __init__(
-        self, table, peers, dtype, *, vec=1, num_warps=8, fence=0, direct=None, max_programs=0, world=None
+        self,
+        table,
+        peers,
+        dtype,
+        *,
+        vec=1,
+        num_warps=8,
+        fence=0,
+        direct=None,
+        max_programs=0,
+        handshake=None,
+        world=None,
     ):
         assert max_programs >= 0
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
+        self.max_programs, self.handshake = max_programs, handshake
         self.world = world
+        with world.cond:
+            world.copy_program_caps.add(max_programs)
 
     def _direct_targets(self):
         """Per peer column: (its output viewed as words, word offset of each pair split) for
@@ -240,10 +277,17 @@ class CopyLaunch:
                 self.world.direct_writes += 1
         return out
 
-    def __call__(self, src, sink, stream=None):
+    def __call__(self, src, sink, stream=None, sync=0, words=()):
+        W = len(self.peers)
+        assert not sync or (self.handshake is not None and len(words) == W)
+        steps = handshake_steps(self.world, self.handshake, W, sync, words)
+        next(steps)  # the start of the kernel
+        if self.table.num_blocks:
+            self._copy(src, sink)
+        next(steps, None)  # the end
+
+    def _copy(self, src, sink):
         table, W = self.table, len(self.peers)
-        if table.num_blocks == 0:
-            return
         direct = self._direct_targets() if self.direct is not None and table.has_splits else None
         ends = table.task_dst + table.task_len[:, None]
         reach = torch.where(table.task_dst >= 0, ends, 0).amax(0).tolist()  # words per column
@@ -261,7 +305,53 @@ class CopyLaunch:
         )
 
 
-def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
+def handshake_steps(world, hs, W, sync, words):
+    """The kernels' handshake as a generator: one step at the kernel's start, one at its end."""
+    slot = None if hs is None else (lambda base, kind, c: base + 8 * (kind * W + c))
+    signals_peers = hs is not None and sync & (proto.ARM_AND_WAIT | proto.READY_END)
+    peers = _words_at(hs.sig_peers, W, torch.int64).tolist() if signals_peers else []
+    waits = [proto.unpack_peer(w) for w in words]
+    if sync & proto.ARM_AND_WAIT:
+        for c, (_, _, arm_now) in enumerate(waits):
+            if arm_now:
+                world.kernel_add(slot(peers[c], proto.ARM, hs.rank))
+        for c, (arm_wait, _, _) in enumerate(waits):
+            if arm_wait:
+                world.kernel_wait(slot(hs.sig, proto.ARM, c), arm_wait)
+    if sync & proto.WAIT_READY_START:
+        for c, (_, ready_wait, _) in enumerate(waits):
+            if ready_wait:
+                world.kernel_wait(slot(hs.sig, proto.READY, c), ready_wait)
+    yield
+    if sync & proto.READY_END:
+        for c, (arm_wait, _, _) in enumerate(waits):
+            if arm_wait:
+                world.kernel_add(slot(peers[c], proto.READY, hs.rank))
+    if sync & proto.WAIT_READY_END:
+        for c, (_, ready_wait, _) in enumerate(waits):
+            if ready_wait:
+                world.kernel_wait(slot(hs.sig, proto.READY, c), ready_wait)
+    yield
+
+
+def launch_reduce(
+    out,
+    inp,
+    region,
+    term_row,
+    term_self,
+    nterms,
+    *,
+    acc_reduce,
+    average,
+    stream=None,
+    sig=0,
+    words=(),
+    world=None,
+):
+    if sig:
+        hs = proto.Handshake(sig, 0, 0, world.pe)
+        next(handshake_steps(world, hs, len(words), proto.WAIT_READY_START, words))
     E = out.shape[1]
     peer = term_row[(term_self == 0) & (term_row >= 0)]
     rows = int(peer.max()) + 1 if peer.numel() else 0
@@ -332,7 +422,7 @@ def install(monkeypatch, world: FakeWorld) -> None:
     def counted_reduce(*args, **kwargs):
         with world.cond:
             world.reduces += 1
-        launch_reduce(*args, **kwargs)
+        launch_reduce(*args, **kwargs, world=world)
 
     def copy_launch(*args, **kwargs):
         return CopyLaunch(*args, **kwargs, world=world)

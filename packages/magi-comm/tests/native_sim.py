@@ -68,8 +68,6 @@ def _copy(use_triton: bool, max_programs: int = 0):
             direct=args,
             max_programs=max_programs,
         )
-        want = min(table.num_blocks, max_programs) if max_programs else table.num_blocks
-        assert launch.grid[0] == want, (launch.grid, table.num_blocks, max_programs)
         launch(src.data_ptr(), sink.data_ptr())
 
     return run
@@ -200,6 +198,10 @@ def main_triton(n: int = 12) -> None:
         )
     from magi_comm.backends._native_kernels import CopyLaunch
 
+    ten_blocks = to_blocks(TaskTable(torch.tensor([0]), torch.tensor([40]), torch.tensor([[-1, 0]])), 1, 4)
+    assert ten_blocks.num_blocks == 10
+    for cap, programs in ((0, 10), (3, 3), (10, 10), (64, 10)):
+        assert CopyLaunch(ten_blocks, [None], torch.int64, max_programs=cap).grid == (programs, 1, 1), cap
     try:
         one_task = TaskTable(torch.tensor([0]), torch.tensor([4]), torch.tensor([[-1, 0]]))
         CopyLaunch(to_blocks(one_task, 1, 4), [None], torch.int64, max_programs=-1)
@@ -278,3 +280,87 @@ def main_triton_reduce(n: int = 16) -> None:
         dtype = rng.choice([torch.float32, torch.float64, torch.float16])
         check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True)
     print("native_sim fused reduce triton ok", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# the kernels' handshake (one process: the "peers" are local signal arrays)
+
+
+def main_triton_handshake() -> None:
+    """Entry point: the copy and reduce kernels' handshake steps under TRITON_INTERPRET=1.
+
+    Rank 1 of 3 sends 16 words to peers 0 and 2 and to itself; the counts it waits for are
+    already in its signal array (the interpreter runs one program at a time: a wait that is
+    not yet satisfied would spin forever), so the test checks the signals it adds, that the
+    finished-program counter returns to 0, and that the rows still arrive."""
+    from magi_comm.backends import _native_protocol as proto
+    from magi_comm.backends._native_kernels import CopyLaunch, launch_reduce
+
+    W, me, n = 3, 1, 16
+    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
+    sig_peers = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+    counter = torch.zeros(4, dtype=torch.int32)
+    hs = proto.Handshake(sigs[me].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
+
+    def slot(kind: int, c: int) -> int:
+        return kind * W + c
+
+    sigs[me][slot(proto.ARM, 0)] = 2  # destination 0 armed us twice, destination 2 once
+    sigs[me][slot(proto.ARM, 2)] = 1
+    sigs[me][slot(proto.READY, 2)] = 5  # source 2 sent its fifth transfer
+    words = (proto.pack_peer(arm_wait=2), proto.pack_peer(), proto.pack_peer(1, 5, arm_now=True))
+    task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0, 0]]))
+    regions = [torch.full((n,), -1, dtype=torch.int64) for _ in range(W)]
+    src = torch.arange(100, 100 + n, dtype=torch.int64)
+    sink = torch.full((n,), -1, dtype=torch.int64)
+    peers = [regions[0].data_ptr(), None, regions[2].data_ptr()]
+    launch = CopyLaunch(to_blocks(task, 1, 4), peers, torch.int64, num_warps=1, handshake=hs, max_programs=2)
+    before = [s.clone() for s in sigs]
+    steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
+    launch(src.data_ptr(), sink.data_ptr(), sync=steps, words=words)
+    for t in (regions[0], regions[2], sink):
+        assert torch.equal(t, src), t
+    added = [s - b for s, b in zip(sigs, before)]
+    expect = [torch.zeros_like(s) for s in sigs]
+    expect[2][slot(proto.ARM, me)] = 1  # armed source 2 (program 0 only)
+    expect[0][slot(proto.READY, me)] = 1  # ready to both destinations (last program only)
+    expect[2][slot(proto.READY, me)] = 1
+    assert all(torch.equal(a, e) for a, e in zip(added, expect)), added
+    assert int(counter[0]) == 0, counter
+
+    # without blocks one program still performs the handshake
+    empty = TaskTable(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                      torch.zeros((0, W + 1), dtype=torch.int64))  # fmt: skip
+    idle = CopyLaunch(to_blocks(empty, 1, 4), [None] * W, torch.int64, num_warps=1, handshake=hs)
+    assert idle.grid[0] == 0 and idle.sync_grid[0] == 1
+    idle(0, 0)  # a plain launch of nothing does nothing
+    idle(0, 0, sync=proto.ARM_AND_WAIT, words=(proto.pack_peer(arm_now=True), *words[1:]))
+    assert int(sigs[0][slot(proto.ARM, me)]) == 1 and int(sigs[2][slot(proto.ARM, me)]) == 2
+    assert int(counter[0]) == 0
+    try:
+        CopyLaunch(to_blocks(task, 1, 4), peers, torch.int64)(src.data_ptr(), 0, sync=steps, words=words)
+    except ValueError as e:
+        assert "handshake" in str(e), e
+    else:
+        raise AssertionError("a launch without a handshake accepted handshake steps")
+
+    # the fused reduction waits for its sources first (satisfied here), then reduces as usual
+    rng = random.Random(3)
+    lay = lib.random_layout(rng, 2, max_splits=3, max_size=4)
+    plan = build_reduce_plan(*lay.reduce_args(0), 0, 2)
+    terms = build_reduce_terms(plan, 40)
+    inp = torch.randn(plan.num_input_rows, 3)
+    out = torch.randn(plan.num_output_rows, 3)
+    region = torch.randn(40, 3)
+    exp = out.clone()
+    _fused_reference(exp, inp, region, *terms, True, False)
+    ready = torch.zeros(proto.NUM_SIGNALS * 2, dtype=torch.int64)
+    ready[proto.READY * 2 + 1] = 7  # slot (READY, source 1) of a 2-rank array
+    rwords = (proto.pack_peer(), proto.pack_peer(ready_wait=7))
+    launch_reduce(out, inp, region.data_ptr(), *terms, acc_reduce=True, average=False, sig=ready.data_ptr(),
+                  words=rwords)  # fmt: skip
+    assert torch.equal(out, exp)
+    # no rows: one program only waits
+    launch_reduce(out[:0], inp, region.data_ptr(), *(t[:0] for t in terms), acc_reduce=False, average=False,
+                  sig=ready.data_ptr(), words=rwords)  # fmt: skip
+    print("native_sim handshake triton ok", file=sys.stderr)

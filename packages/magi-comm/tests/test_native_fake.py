@@ -91,15 +91,27 @@ def _run(be, case, rank, world):
     (_run_cast if case["kind"] == "cast" else _run_reduce)(be, case, rank, world)
 
 
-@pytest.mark.parametrize(("world", "fused"), [(1, True), (2, True), (3, True), (3, False)])
-def test_native_backend_in_fake_world(monkeypatch, world, fused):
+@pytest.mark.parametrize(
+    ("world", "fused", "handshake"),
+    [
+        (1, True, True),
+        (2, True, True),
+        (3, True, True),
+        (3, False, True),
+        (2, True, False),
+        (3, False, False),
+    ],
+)
+def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
+    """``handshake``: calls of one round signal inside the (fake) kernels, the others through
+    the host's NVSHMEM operations; both serve the same pairs in one run (rounds: big rows)."""
     fw = native_fake.installed(monkeypatch, world)
     small = _cases(world, 100 + world, 24, big=False)
     big = _cases(world, 200 + world, 10, big=True)  # 64 KiB rows, 1 MiB buffer: rounds
     mib = 1 << 20
 
     def rank_fn(rank):
-        cfg = NativeConfig(buffer_bytes=mib, fused_reduce=fused)
+        cfg = NativeConfig(buffer_bytes=mib, fused_reduce=fused, device_handshake=handshake)
         with NativeBackend("group", rank, world, cfg) as be, NativeBackend("group", rank, world, cfg) as be2:
             assert be._state is be2._state  # one state per group
             for case in small:
@@ -117,6 +129,10 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused):
     native_fake.run_ranks(fw, rank_fn)
     if world > 1:
         assert fw.signals > 0 and fw.waits > 0 and fw.puts > 0
+        assert (fw.kernel_signals > 0 and fw.kernel_waits > 0) == handshake, (
+            fw.kernel_signals,
+            fw.kernel_waits,
+        )
         assert fw.direct_writes > 0  # some casts went straight into peers' outputs
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
 
@@ -143,7 +159,8 @@ def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
     """Casts of one plan into symmetric outputs A, B and a plain one, in the order A A B A C A,
     then a reduce and A again: A's map is put once, not again for a repeat (also across the
     reduce, whose arm carries no map), and again after B (the sources hold B's map then);
-    every result equals the oracle."""
+    every result equals the oracle. A repeat is one kernel launch: no NVSHMEM operation (the
+    handshake is in the kernel)."""
     world = 3
     fw = native_fake.installed(monkeypatch, world)
     lay = _dense_layout(world)
@@ -157,10 +174,11 @@ def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
             sources = sum(1 for s in range(world) if s != rank and plan.recv_counts[s] > 0)
             assert sources == world - 1
             for step, name in enumerate("AABACA"):
-                before = fw.puts_by[rank]
+                before, host_ops = fw.puts_by[rank], fw.host_ops_by[rank]
                 _cast_into(be, lay, plan, rank, outputs[name], step)
                 if step == 1:
                     assert fw.puts_by[rank] == before  # A again: the sources still hold A's map
+                    assert fw.host_ops_by[rank] == host_ops
                 elif step in (2, 3):
                     assert fw.puts_by[rank] == before + sources  # a new map for every source
             rplan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
@@ -314,3 +332,32 @@ def test_max_programs_env_rejects_bad_values(monkeypatch, bad):
     monkeypatch.setenv(native.ENV_MAX_PROGRAMS, bad)
     with pytest.raises(ValueError, match=rf"MAGI_COMM_NATIVE_MAX_PROGRAMS.*{bad}"):
         NativeConfig.from_env()
+
+
+def test_config_rejects_negative_max_programs():
+    with pytest.raises(ValueError, match=r"max_programs.*-2"):
+        NativeConfig(max_programs=-2)
+
+
+@pytest.mark.parametrize("off", ["0", "off"])
+def test_device_handshake_from_env(monkeypatch, off):
+    monkeypatch.delenv(native.ENV_DEVICE_HANDSHAKE, raising=False)
+    assert NativeConfig.from_env().device_handshake
+    monkeypatch.setenv(native.ENV_DEVICE_HANDSHAKE, off)
+    assert not NativeConfig.from_env().device_handshake
+
+
+def test_backend_builds_copy_launches_with_the_configured_cap(monkeypatch):
+    """Every copy launch of the backend (sends and receive copies) gets config.max_programs."""
+    world = 2
+    fw = native_fake.installed(monkeypatch, world)
+    lay = _dense_layout(world)
+
+    def rank_fn(rank):
+        plan = build_cast_plan(*lay.cast_args(rank), rank, world)
+        with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20, max_programs=7)) as be:
+            _cast_into(be, lay, plan, rank, torch.zeros((plan.num_output_rows, 4)), 1)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.copy_program_caps == {7}

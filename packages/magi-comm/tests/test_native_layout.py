@@ -191,7 +191,7 @@ def test_registering_native_imports_no_gpu_stack():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-@pytest.mark.parametrize("entry", ["main_triton", "main_triton_reduce"])
+@pytest.mark.parametrize("entry", ["main_triton", "main_triton_reduce", "main_triton_handshake"])
 def test_kernel_under_triton_interpreter(entry):
     """The copy kernel (``main_triton``) and the fused reduction (``main_triton_reduce``) on CPU
     tensors under TRITON_INTERPRET=1, in a subprocess."""

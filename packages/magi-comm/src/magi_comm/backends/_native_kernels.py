@@ -39,11 +39,105 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _native_protocol as proto
 from ._native_layout import MAX_PEERS, BlockTable
+from ._native_protocol import IDLE_WORD, PEER_WORDS, Handshake
 
 __all__ = ["CopyLaunch", "launch_reduce"]
 
+# jit code reads module globals only as constexprs
+ARM = tl.constexpr(proto.ARM)
+READY = tl.constexpr(proto.READY)
+_PEER_ARGS = [f"p{c}" for c in range(PEER_WORDS)]
+
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
+
+
+# ---- device handshake (see magi_comm.backends._native_protocol) ---------------------------
+
+
+@triton.jit
+def _word(c: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+    """Peer ``c``'s packed handshake word (``c`` is a compile-time index)."""
+    p = p0
+    if c == 1:
+        p = p1
+    if c == 2:
+        p = p2
+    if c == 3:
+        p = p3
+    if c == 4:
+        p = p4
+    if c == 5:
+        p = p5
+    if c == 6:
+        p = p6
+    if c == 7:
+        p = p7
+    return p
+
+
+@triton.jit
+def _await_at_least(ptr, value):
+    """Spin until the local int64 at ``ptr`` is >= ``value``, then acquire at system scope (the
+    peer's stores released before its signal are visible to every thread of the program)."""
+    cur = tl.load(ptr, volatile=True)
+    while cur < value:
+        cur = tl.load(ptr, volatile=True)
+    # a compare-and-swap that never swaps (counts are >= 0): the ordering point
+    never = tl.full((), -1, tl.int64)
+    tl.atomic_cas(ptr, never, never, sem="acquire", scope="sys")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.constexpr, ME: tl.constexpr,
+                     HS_ARM: tl.constexpr, HS_WAIT_START: tl.constexpr):  # fmt: skip
+    slots = sig.to(tl.pointer_type(tl.int64))
+    if HS_ARM:
+        if tl.program_id(0) == 0:
+            for c in tl.static_range(W):
+                if (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
+                    peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
+                    tl.atomic_add(peer + ARM * W + ME, 1, sem="release", scope="sys")
+        for c in tl.static_range(W):
+            want = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
+            if want > 0:
+                _await_at_least(slots + ARM * W + c, want)
+    if HS_WAIT_START:
+        for c in tl.static_range(W):
+            want = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
+            if want > 0:
+                _await_at_least(slots + READY * W + c, want)
+
+
+@triton.jit
+def _handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W: tl.constexpr, ME: tl.constexpr,
+                   HS_READY: tl.constexpr, HS_WAIT_END: tl.constexpr):  # fmt: skip
+    if HS_READY or HS_WAIT_END:
+        # Every program releases its stores through the counter (system scope, cumulative over
+        # the CTA after the barrier); the last one acquires them all and signals for everyone.
+        tl.debug_barrier()
+        cnt = counter.to(tl.pointer_type(tl.int32))
+        finished = tl.atomic_add(cnt, 1, sem="acq_rel", scope="sys")
+        if finished == tl.num_programs(0) - 1:
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # the next launch (stream order) starts at 0
+            if HS_READY:
+                for c in tl.static_range(W):
+                    if ((_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF) > 0:
+                        peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(
+                            tl.pointer_type(tl.int64)
+                        )
+                        tl.atomic_add(peer + READY * W + ME, 1, sem="release", scope="sys")
+            if HS_WAIT_END:
+                slots = sig.to(tl.pointer_type(tl.int64))
+                for c in tl.static_range(W):
+                    want = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
+                    if want > 0:
+                        _await_at_least(slots + READY * W + c, want)
+
+
+# ---- copy ----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -80,10 +174,18 @@ def _put_peer(
         tl.store(anchor.to(tl.pointer_type(vals.dtype)) + off + offs, vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PEER_ARGS)
 def _copy_kernel(
     src,
     sink,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
     anchor,
     peers,
     blk_task,
@@ -96,6 +198,9 @@ def _copy_kernel(
     maps,
     alloc_base,
     fence,
+    sig,
+    sig_peers,
+    counter,
     nblocks,
     DT: tl.constexpr,
     W: tl.constexpr,
@@ -105,12 +210,18 @@ def _copy_kernel(
     DIRECT: tl.constexpr,
     MAPW: tl.constexpr,
     WB: tl.constexpr,
+    ME: tl.constexpr,
+    HS_ARM: tl.constexpr,
+    HS_READY: tl.constexpr,
+    HS_WAIT_START: tl.constexpr,
+    HS_WAIT_END: tl.constexpr,
 ):
     # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
     # peer's region area, NVLink-mapped) are addresses: symmetric-heap and peer memory is
     # addressed through plain integers, as in the verified peer-store recipe.
     # Program p copies blocks p, p + grid, ...: a grid smaller than the table
     # (NativeConfig.max_programs) leaves the other SMs to a kernel running beside the copy.
+    _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM, HS_WAIT_START)
     offs = tl.arange(0, BLOCK)
     b = tl.program_id(0)
     while b < nblocks:
@@ -125,12 +236,23 @@ def _copy_kernel(
             _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
                       vals, mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
         b += tl.num_programs(0)
-    if FENCE:
+    if FENCE and not (HS_READY or HS_WAIT_END):  # else the end handshake releases
         # Make this program's peer stores visible system-wide before the kernel can complete
         # (and hence before the stream-ordered NVSHMEM ready signal): CTA barrier, then one
         # release atomic at system scope (cumulative over the CTA's stores).
         tl.debug_barrier()
         tl.atomic_add(fence.to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
+    _handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W, ME, HS_READY, HS_WAIT_END)
+
+
+def _handshake_flags(sync: int) -> dict[str, int]:
+    """The copy kernel's handshake constexprs for the step bits ``sync``."""
+    return dict(
+        HS_ARM=int(bool(sync & proto.ARM_AND_WAIT)),
+        HS_READY=int(bool(sync & proto.READY_END)),
+        HS_WAIT_START=int(bool(sync & proto.WAIT_READY_START)),
+        HS_WAIT_END=int(bool(sync & proto.WAIT_READY_END)),
+    )
 
 
 def _spec(x) -> tuple:
@@ -200,7 +322,8 @@ _copy = _Compiled(_copy_kernel)
 
 class CopyLaunch:
     """One copy-kernel launch whose block table, peer regions and options are fixed (a round of
-    a cached layout); per call only the ``src`` / ``sink`` addresses and the stream change.
+    a cached layout); per call only the ``src`` / ``sink`` addresses, the stream and the
+    handshake words change.
 
     Every fixed address argument is known at construction (absent peers and a missing fence
     point at the block table, 16-byte aligned), so of Triton's specialization only the two
@@ -223,11 +346,13 @@ class CopyLaunch:
             (see the backend's direct mode). None: regions only.
         max_programs: most programs in the grid (they stride over the blocks); 0: one program
             per block.
+        handshake: where the kernel signals and waits when a call asks for it (see
+            :mod:`magi_comm.backends._native_protocol`); None: never.
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
                  num_warps: int = 8, fence: int = 0, direct: tuple[int, int, int] | None = None,
-                 max_programs: int = 0) -> None:  # fmt: skip
+                 max_programs: int = 0, handshake: Handshake | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
@@ -235,8 +360,10 @@ class CopyLaunch:
             raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {max_programs}")
         programs = min(table.num_blocks, max_programs) if max_programs else table.num_blocks
         self.grid = (programs, 1, 1)
+        # A handshake needs a program even without blocks (it still signals and waits).
+        self.sync_grid = (max(programs, 1), 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
-        self.filler = table.blk_task.data_ptr() if table.num_blocks else 0
+        self.filler = table.blk_task.data_ptr() if table.num_blocks else (handshake.sig if handshake else 0)
         # Built on the host and moved without blocking it (the caller's current stream orders
         # the copy ahead of the launches, as for the block table).
         peer_table = torch.tensor([p or 0 for p in peers], dtype=torch.int64)
@@ -244,6 +371,7 @@ class CopyLaunch:
         if dev.type == "cuda":
             peer_table = peer_table.pin_memory().to(dev, non_blocking=True)
         self.peer_table = peer_table
+        hs = handshake
         self.fixed = (
             self.filler,  # the anchor of peer addresses (see _put_peer)
             self.peer_table,
@@ -257,9 +385,13 @@ class CopyLaunch:
             direct[0] if direct else self.filler,
             direct[1] if direct else self.filler,
             fence or self.filler,
+            hs.sig if hs else self.filler,
+            hs.sig_peers if hs else self.filler,
+            hs.counter if hs else self.filler,
             table.num_blocks,
         )
-        self.consts = dict(
+        self.handshake = hs
+        self.base_consts = dict(
             DT=_TL[dtype],
             W=W,
             BLOCK=table.block_words,
@@ -268,27 +400,47 @@ class CopyLaunch:
             DIRECT=int(direct is not None and table.num_blocks > 0 and table.has_splits),
             MAPW=direct[2] if direct else 1,
             WB=torch.empty(0, dtype=dtype).element_size(),
+            ME=hs.rank if hs else 0,
         )
         self.num_warps = num_warps
-        self.variant = _copy.variant(
-            (
-                tuple(_spec(a) for a in self.fixed),
-                tuple(self.consts.values()),
-                num_warps,
-                args_device(self.fixed),
-            )
-        )
+        self._modes: dict[int, tuple[dict, int]] = {}
 
-    def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy from address ``src`` to the peers and to address ``sink`` (0: no local sink)."""
-        if self.grid[0] == 0:
+    def _mode(self, sync: int) -> tuple[dict, int]:
+        """``(constexprs, variant)`` of handshake mode ``sync`` (cached: they key the launch)."""
+        got = self._modes.get(sync)
+        if got is None:
+            consts = dict(self.base_consts, **_handshake_flags(sync))
+            variant = _copy.variant(
+                (
+                    tuple(_spec(a) for a in self.fixed),
+                    tuple(consts.values()),
+                    self.num_warps,
+                    args_device(self.fixed),
+                )
+            )
+            got = self._modes[sync] = (consts, variant)
+        return got
+
+    def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None, sync: int = 0,
+                 words: tuple[int, ...] = ()) -> None:  # fmt: skip
+        """Copy from address ``src`` to the peers and to address ``sink`` (0: no local sink).
+
+        ``sync``: handshake steps (bits of :mod:`magi_comm.backends._native_protocol`) with
+        ``words`` the packed per-peer words (:func:`~magi_comm.backends._native_protocol.pack_peer`,
+        at most ``PEER_WORDS``); 0: a plain copy."""
+        if sync and self.handshake is None:
+            raise ValueError("this launch was built without a handshake")
+        grid = self.sync_grid if sync else self.grid
+        if grid[0] == 0:
             return
         sink = sink or self.filler
-        key = (self.variant, src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
-        _copy(self.grid, (src, sink, *self.fixed), self.consts, self.num_warps, stream, key=key)
+        consts, variant = self._mode(sync)
+        key = (variant, src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
+        peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
+        _copy(grid, (src, sink, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PEER_ARGS)
 def _reduce_kernel(
     out,
     inp,
@@ -298,13 +450,25 @@ def _reduce_kernel(
     nterms,
     n_rows,
     E,
+    sig,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
     TERMS: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
     ACC: tl.constexpr,
     AVG: tl.constexpr,
     ACC_DT: tl.constexpr,
+    W: tl.constexpr,
+    HS_WAIT_START: tl.constexpr,
 ):
+    _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig, W, 0, 0, HS_WAIT_START)  # peers' rows are in
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     rmask = rows < n_rows
@@ -349,6 +513,8 @@ def launch_reduce(
     acc_reduce: bool,
     average: bool,
     stream: torch.cuda.Stream | None = None,
+    sig: int = 0,
+    words: tuple[int, ...] = (),
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -360,15 +526,23 @@ def launch_reduce(
             peer terms).
         term_row / term_self / nterms: from
             :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
+        sig, words: with ``sig`` (this rank's signal array) every program first waits for the
+            ``READY`` counts of ``words`` (one packed word per rank of the group, see
+            :mod:`magi_comm.backends._native_protocol`): the peers' rows are in the regions.
     """
     n_rows, E = out.shape[0], out.shape[1]
-    if n_rows == 0 or E == 0:
+    if (n_rows == 0 or E == 0) and not sig:
         return
     region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
-    bc = min(triton.next_power_of_2(E), 1024)
+    bc = min(triton.next_power_of_2(max(E, 1)), 1024)
     br = max(1, min(64, 4096 // bc))
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
-    grid = (triton.cdiv(n_rows, br), triton.cdiv(E, bc), 1)
-    args = (out, inp, region, term_row, term_self, nterms, n_rows, E)
-    consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt)
-    _reduce(grid, args, consts, 8, stream)
+    # without rows one program still waits for the peers (stream order after the wait)
+    grid = (max(triton.cdiv(n_rows, br), 1), max(triton.cdiv(E, bc), 1), 1)
+    peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
+    args = (out, inp, region, term_row, term_self, nterms, n_rows, E, sig or region, *peer_words)
+    consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
+                  W=max(len(words), 1), HS_WAIT_START=int(bool(sig)))  # fmt: skip
+    # the packed words are not specialized on: leave them out of the launch key
+    key = (tuple(_spec(a) for a in args[:9]), tuple(consts.values()), 8, args_device(args))
+    _reduce(grid, args, consts, 8, stream, key=key)

@@ -20,17 +20,28 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
   once and stored to each destination's receive region (peer stores over NVLink) and, for rows
   a rank sends itself, straight into the sink. No copy per destination.
 * **Completion by signals.** Per ordered pair (s, d) both ends count calls and transfers (a
-  round that moves rows s -> d) in the same order, without talking. At the start of a call d
-  *arms* every source s it expects rows from: it sets ``arm[d]`` on s to the call number (for a
+  round that moves rows s -> d) in the same order, without talking; every signal adds 1 to a
+  slot of the receiving rank's signal array, so only the waiter needs the count. At the start
+  of a call d *arms* every source s it expects rows from: it adds 1 to ``arm[d]`` on s (for a
   group_cast with ``nvshmemx_putmem_signal_nbi_on_stream``, which first writes d's map header,
-  see direct mode, unless s still holds the same map from an earlier call). Before its first send kernel of the call, s waits ``arm[d] >= n``: d's earlier
-  use of its region and of its output is over (stream order on d). After each send kernel, s
-  sets ``ready[s]`` on d to the transfer number (``signal_op_on_stream``, SET); d waits
-  ``ready[s] >= t`` on its stream (``signal_wait_until_on_stream``), copies the region into the
-  sink and, when the pair has another round in this call, sets ``ack[d]`` on s, which s waits
-  for before that round. All of it is stream-ordered: no host synchronization, no barrier per
-  call. Every rank arms before it waits, and every wait depends only on work another rank
-  enqueued earlier in the same or an earlier call, so the protocol cannot deadlock.
+  see direct mode, unless s still holds the same map from an earlier call). Before its first
+  send kernel of the call, s waits for ``arm[d]`` to reach d's call count: d's earlier use of
+  its region and of its output is over (stream order on d). After each send kernel, s adds 1
+  to ``ready[s]`` on d; d waits for the transfer count on its stream, copies the region into
+  the sink and, when the pair has another round in this call, adds 1 to ``ack[d]`` on s, which
+  s waits for before that round. All of it is stream-ordered: no host synchronization, no
+  barrier per call. Every rank arms before it waits, and every wait depends only on work
+  another rank enqueued earlier in the same or an earlier call, so the protocol cannot
+  deadlock.
+* **Handshake in the kernels.** A call of one round and one tensor (the common case: the
+  buffer holds every pair) does those steps inside its kernels instead of NVSHMEM's on-stream
+  signal and wait operations (each a kernel launch): program 0 of the send kernel arms the
+  sources, every program waits for the destinations' arms, the last program to finish signals
+  them ready; the receive copy or fused reduction waits for the sources first (a cast into a
+  symmetric output: the send kernel's last program waits). Same slots, same counts, so ranks
+  may mix both paths on one pair (:mod:`magi_comm.backends._native_protocol`;
+  ``NativeConfig.device_handshake``). Deadlock-free for the same reason, provided every kernel
+  on the GPU beside the copy finishes on its own (waiting programs hold SM slots).
 * **Direct mode (group_cast into a symmetric output).** When a cast's output lies in a tensor
   from :meth:`NativeBackend.empty_output` (symmetric heap, 16-byte aligned, at most
   ``map_entries`` splits per peer), the receiver's arm carries a map, put into row d of the
@@ -89,9 +100,22 @@ from ._native_layout import (
     to_blocks,
     word_size,
 )
+from ._native_protocol import (
+    ACK,
+    ARM,
+    ARM_AND_WAIT,
+    NUM_SIGNALS,
+    READY,
+    READY_END,
+    WAIT_READY_END,
+    WAIT_READY_START,
+    Handshake,
+    pack_peer,
+)
 
 __all__ = [
     "ENV_BUFFER_MB",
+    "ENV_DEVICE_HANDSHAKE",
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
     "ENV_STREAM_PRIORITY",
@@ -106,10 +130,9 @@ ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
 ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
 ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
 ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
+ENV_DEVICE_HANDSHAKE = "MAGI_COMM_NATIVE_DEVICE_HANDSHAKE"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_READY, _ACK, _ARM = 0, 1, 2
-_NUM_SIGNALS = 3
 _ALIGN_OUT = 256  # bytes; symmetric outputs are padded to this
 _MAPS_PER_PLAN = 4  # direct-mode maps kept per plan (distinct sinks cast into with it)
 
@@ -145,6 +168,11 @@ class NativeConfig:
             as long as the two back to back. The default, 128, packs the copy onto the few SMs
             that free up first (several programs fit one SM), so the two overlap (measured in
             docs/perf.md, "overlap" in the magi-dist section).
+        device_handshake: calls of one round and one tensor signal and wait inside the copy
+            and reduce kernels (:mod:`magi_comm.backends._native_protocol`) instead of through
+            NVSHMEM's on-stream signal and wait operations, each a kernel launch of its own
+            (``$MAGI_COMM_NATIVE_DEVICE_HANDSHAKE=0`` turns it off). A cast into a symmetric
+            output is then one launch per call.
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -156,11 +184,19 @@ class NativeConfig:
     max_outputs: int = 64
     stream_priority: int = -1
     max_programs: int = 128
+    device_handshake: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_programs < 0:
+            raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {self.max_programs}")
 
     @staticmethod
     def from_env() -> NativeConfig:
         off = ("0", "false", "no", "off")
-        kw = {"fused_reduce": os.environ.get(ENV_FUSED_REDUCE, "1").strip().lower() not in off}
+        kw = {
+            field: os.environ.get(env, "1").strip().lower() not in off
+            for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
+        }
         for field, env in (("stream_priority", ENV_STREAM_PRIORITY), ("max_programs", ENV_MAX_PROGRAMS)):
             value = os.environ.get(env, "").strip()
             if value:
@@ -168,8 +204,6 @@ class NativeConfig:
                     kw[field] = int(value)
                 except ValueError:
                     raise ValueError(f"${env} must be an integer, got {value!r}") from None
-        if kw.get("max_programs", 0) < 0:
-            raise ValueError(f"${ENV_MAX_PROGRAMS} must be >= 0, got {kw['max_programs']}")
         mb = os.environ.get(ENV_BUFFER_MB)
         if mb:
             try:
@@ -178,7 +212,10 @@ class NativeConfig:
                 raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
             if kw["buffer_bytes"] <= 0:
                 raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
-        return NativeConfig(**kw)
+        try:
+            return NativeConfig(**kw)
+        except ValueError as e:  # name the variable the bad value came from
+            raise ValueError(f"${ENV_MAX_PROGRAMS}={kw.get('max_programs')!r}: {e}") from None
 
     def aligned_buffer_bytes(self) -> int:
         return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
@@ -310,12 +347,11 @@ class _GroupState:
         self.stream = torch.cuda.Stream(self.device, priority=config.stream_priority)
         W = self.world
         # Per-pair counters; both ends of a pair count alike without talking (see the docstring).
-        self.sent = [0] * W  # transfers this rank made to each peer (ready values)
-        self.recvd = [0] * W  # transfers this rank consumed from each peer
-        self.armed = [0] * W  # calls in which this rank armed each source
+        # Signals add 1, so only the waiting end needs the counts.
+        self.sent = [0] * W  # transfers this rank made to each peer
+        self.recvd = [0] * W  # transfers this rank consumed from each peer (READY counts)
         self.arms_seen = [0] * W  # calls in which this rank waited for each destination's arm
-        self.acks_sent = [0] * W  # between-round acknowledgements sent to each source
-        self.acks_seen = [0] * W  # ... awaited from each destination
+        self.acks_seen = [0] * W  # between-round acknowledgements awaited from each destination
         self.map_sent = [-1] * W  # token of the map this rank last put to each source (0: header 0)
         self.map_tokens = 0
         self.scratch: dict[str, torch.Tensor] = {}
@@ -323,8 +359,15 @@ class _GroupState:
         self.fence = torch.zeros(16, dtype=torch.int32, device=self.device)
         self.fence_addr = self.fence.data_ptr()
         nvc = rt.nvc
-        self.sig = nvc.tensor((_NUM_SIGNALS * W,), dtype=torch.int64)
+        self.sig = nvc.tensor((NUM_SIGNALS * W,), dtype=torch.int64)
         self.sig.zero_()
+        # The kernels' handshake: every peer's signal array, and a counter of finished programs
+        # (a slot of the fence tensor the plain copies do not touch).
+        sig_peers = [_peer_path(nvc, self.sig, self.rank, pe).data_ptr() for pe in range(W)]
+        self.sig_peers = torch.tensor(sig_peers, dtype=torch.int64).to(self.device)
+        self.handshake = Handshake(
+            self.sig.data_ptr(), self.sig_peers.data_ptr(), self.fence_addr + 32, self.rank
+        )
         # Direct mode: row d of the map area is where destination d puts its map for our sends;
         # outputs[a] is symmetric output a, output_bases[a, c] its address as peer c's memory.
         self.map_width = 1 + config.map_entries
@@ -435,19 +478,19 @@ class _GroupState:
     def _slot(self, kind: int, idx: int) -> int:
         return self.sig.data_ptr() + 8 * (kind * self.world + idx)
 
-    def signal(self, kind: int, pe: int, value: int) -> None:
-        """Set slot ``(kind, self.rank)`` on ``pe`` to ``value`` once prior stream work is done."""
+    def signal(self, kind: int, pe: int) -> None:
+        """Add 1 to slot ``(kind, self.rank)`` on ``pe`` once prior stream work is done."""
         nvb, nvc = self.rt.nvb, self.rt.nvc
         nvb.signal_op_on_stream(
-            self._slot(kind, self.rank), value, int(nvc.SignalOp.SIGNAL_SET), pe, self.stream.cuda_stream
+            self._slot(kind, self.rank), 1, int(nvc.SignalOp.SIGNAL_ADD), pe, self.stream.cuda_stream
         )
 
-    def arm(self, pe: int, value: int, header: tuple[int, int] | None) -> None:
-        """Set slot ``(ARM, self.rank)`` on ``pe`` to ``value`` once prior stream work is done;
-        with ``header = (address, nbytes)`` those local bytes first land in row ``self.rank``
-        of ``pe``'s map area (one put-with-signal: the data is there before the signal)."""
+    def arm(self, pe: int, header: tuple[int, int] | None) -> None:
+        """Add 1 to slot ``(ARM, self.rank)`` on ``pe`` once prior stream work is done; with
+        ``header = (address, nbytes)`` those local bytes first land in row ``self.rank`` of
+        ``pe``'s map area (one put-with-signal: the data is there before the signal)."""
         if header is None:
-            self.signal(_ARM, pe, value)
+            self.signal(ARM, pe)
             return
         nvb, nvc = self.rt.nvb, self.rt.nvc
         addr, nbytes = header
@@ -455,9 +498,9 @@ class _GroupState:
             self.maps.data_ptr() + 8 * self.rank * self.map_width,
             addr,
             nbytes,
-            self._slot(_ARM, self.rank),
-            value,
-            int(nvc.SignalOp.SIGNAL_SET),
+            self._slot(ARM, self.rank),
+            1,
+            int(nvc.SignalOp.SIGNAL_ADD),
             pe,
             self.stream.cuda_stream,
         )
@@ -718,8 +761,17 @@ class NativeBackend:
                                     fence=st.fence_addr,
                                     direct=direct,
                                     max_programs=cap,
+                                    handshake=st.handshake,
                                 ),
-                                make(recv, [None] * W, dt, vec=vec, num_warps=nw, max_programs=cap),
+                                make(
+                                    recv,
+                                    [None] * W,
+                                    dt,
+                                    vec=vec,
+                                    num_warps=nw,
+                                    max_programs=cap,
+                                    handshake=st.handshake,
+                                ),
                             )
                         )
                     per_field.append((off, launches))
@@ -730,8 +782,9 @@ class NativeBackend:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
         ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
-        copies: it runs once every peer's rows are in the local regions (or at once when there
-        is no round), before the acknowledgements release the regions.
+        copies: ``consume(words)`` runs once every peer's rows are in the local regions (or at
+        once when there is no round), before the acknowledgements release the regions; with
+        handshake ``words`` its kernel waits for the peers itself.
         ``maps`` (group_cast, direct mode): per source, ``(address, nbytes, token)`` of this
         rank's map for it; peers then write straight into the sink and no receive copy runs. A
         cast without maps puts header 0 (rows through the regions).
@@ -740,7 +793,7 @@ class NativeBackend:
         fields = [f for f in fields if f.row_bytes > 0]
         if not fields:
             if consume is not None:
-                consume()
+                consume(None)
             return
         rbs = tuple(f.row_bytes for f in fields)
         ws = tuple(word_size(rb, f.src, f.sink) for f, rb in zip(fields, rbs))
@@ -752,34 +805,31 @@ class NativeBackend:
             (f.src.data_ptr(), f.sink.data_ptr(), base + off, runs)
             for f, (off, runs) in zip(fields, per_field)
         ]
-        stream, rounds = st.stream, sched.rounds
+        rounds = sched.rounds
+        if len(rounds) == 1 and len(prepared) == 1 and self.config.device_handshake:
+            self._one_round_in_kernels(rounds[0], prepared[0], sink_kind, consume, maps)
+            return
+        stream = st.stream
         if rounds:  # arm every source first: a rank never waits before its own arms are out
-            staged = (st.staged_header.data_ptr(), 8, 0) if sink_kind == SINK_SCATTER else None
             for s in rounds[0].recv_peers:
-                st.armed[s] += 1
-                header = maps[s] if maps is not None else staged
-                if header is not None and st.map_sent[s] == header[2]:
-                    header = None  # the source still holds this map (only we write our row there)
-                elif header is not None:
-                    st.map_sent[s] = header[2]
-                st.arm(s, st.armed[s], header and header[:2])
+                st.arm(s, self._arm_header(s, sink_kind, maps))
         for k, rnd in enumerate(rounds):
             for d in rnd.send_peers:
                 if k == 0:  # d's earlier use of its region and output is over
                     st.arms_seen[d] += 1
-                    st.wait(_ARM, d, st.arms_seen[d])
+                    st.wait(ARM, d, st.arms_seen[d])
                 else:  # d consumed our previous round
                     st.acks_seen[d] += 1
-                    st.wait(_ACK, d, st.acks_seen[d])
+                    st.wait(ACK, d, st.acks_seen[d])
             for src, sink, _local, runs in prepared:
                 runs[k][0](src, sink, stream)
             for d in rnd.send_peers:
                 st.sent[d] += 1
-                st.signal(_READY, d, st.sent[d])
+                st.signal(READY, d)
             for s in rnd.recv_peers:
-                st.wait(_READY, s, st.recvd[s] + 1)
+                st.wait(READY, s, st.recvd[s] + 1)
             if consume is not None:
-                consume()
+                consume(None)
             elif maps is None:
                 for _src, sink, local, runs in prepared:
                     runs[k][1](local, sink, stream)
@@ -787,10 +837,61 @@ class NativeBackend:
             for s in rnd.recv_peers:
                 st.recvd[s] += 1
                 if s in later:
-                    st.acks_sent[s] += 1
-                    st.signal(_ACK, s, st.acks_sent[s])
+                    st.signal(ACK, s)
         if consume is not None and not rounds:
-            consume()
+            consume(None)
+
+    def _arm_header(self, s: int, sink_kind: str, maps) -> tuple[int, int] | None:
+        """What arming source ``s`` puts first: ``(address, nbytes)`` of this rank's map for it
+        (a cast: its output map in direct mode, header 0 otherwise), or None when ``s`` still
+        holds that map (only this rank writes its row there) or the call is a reduce."""
+        st = self._require()
+        if maps is not None:
+            header = maps[s]
+        elif sink_kind == SINK_SCATTER:
+            header = (st.staged_header.data_ptr(), 8, 0)
+        else:
+            return None
+        if st.map_sent[s] == header[2]:
+            return None
+        st.map_sent[s] = header[2]
+        return header[:2]
+
+    def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps) -> None:
+        """A call of one round and one field with the handshake inside the kernels: the send
+        kernel arms the sources, waits for the destinations' arms and signals them ready; the
+        receive copy or the fused reduction waits for the sources (a direct-mode cast has
+        neither: the send kernel's last program waits). Same counts as the host path."""
+        st = self._require()
+        W = self.world_size
+        arm_wait, ready_wait, arm_now = [0] * W, [0] * W, [False] * W
+        for s in rnd.recv_peers:
+            header = self._arm_header(s, sink_kind, maps)
+            if header is None:
+                arm_now[s] = True
+            else:  # the map must land before the arm: a put-with-signal ahead of the kernel
+                st.arm(s, header)
+            st.recvd[s] += 1
+            ready_wait[s] = st.recvd[s]
+        for d in rnd.send_peers:
+            st.arms_seen[d] += 1
+            arm_wait[d] = st.arms_seen[d]
+            st.sent[d] += 1
+        words = tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now))
+        src, sink, local, runs = field
+        send, recv = runs[0]
+        direct = maps is not None and consume is None
+        send(
+            src,
+            sink,
+            st.stream,
+            sync=ARM_AND_WAIT | READY_END | (WAIT_READY_END if direct else 0),
+            words=words,
+        )
+        if consume is not None:
+            consume(words if rnd.recv_peers else None)
+        elif not direct:
+            recv(local, sink, st.stream, sync=WAIT_READY_START if rnd.recv_peers else 0, words=words)
 
     def _direct_maps(self, plan: CastPlan, sink: torch.Tensor, rb: int):
         """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): ``(table, maps)``
@@ -929,7 +1030,7 @@ class NativeBackend:
             E = torch.Size(out.shape[1:]).numel()
             term_row, term_self, nterms = self._terms(plan, R, out.device)
 
-            def consume():
+            def consume(words):
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
@@ -940,6 +1041,8 @@ class NativeBackend:
                     acc_reduce=acc_reduce,
                     average=reduce_op == "avg",
                     stream=st.stream,
+                    sig=st.handshake.sig if words else 0,
+                    words=words or (),
                 )
 
             self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume)

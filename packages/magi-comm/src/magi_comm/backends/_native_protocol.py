@@ -1,0 +1,92 @@
+"""Signal slots of the ``native`` backend and the handshake a copy kernel performs itself.
+
+Pure Python (no triton): the backend, the kernels and the CPU fakes share these definitions.
+
+Every rank owns a symmetric int64 signal array ``(NUM_SIGNALS, W)``: slot ``(kind, c)`` counts
+the signals of that kind peer ``c`` sent this rank. Every signal adds 1 (NVSHMEM's
+``SIGNAL_ADD`` from the host path, a system-scope release ``atomic_add`` from a kernel), so both
+paths may serve the same pair in turn; a waiter knows how many signals to expect because both
+ends of a pair count the calls and rounds alike (see :mod:`magi_comm.backends.native`).
+
+Device handshake (calls of one round and one field): instead of NVSHMEM's on-stream signal and
+wait kernels around the copy, the copy kernels do the steps themselves:
+
+* ``ARM_AND_WAIT`` (send kernel, start): program 0 adds 1 to ``ARM`` slot ``rank`` on each
+  source flagged ``arm_now``; every program waits until its own ``ARM`` slot of each destination
+  reaches ``arm_wait``.
+* ``READY_END`` (send kernel, end): the last program to finish adds 1 to ``READY`` slot
+  ``rank`` on each destination (every program's stores are released before, through a
+  system-scope counter).
+* ``WAIT_READY_START`` (receive or reduce kernel) / ``WAIT_READY_END`` (send kernel of a
+  direct-mode cast, last program): wait until ``READY`` slot of each source reaches
+  ``ready_wait``.
+
+Per call the kernel gets one packed int64 per peer (:func:`pack_peer`): the waits change with
+every call, and Triton must not specialize on them (the tag bit keeps them 64-bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ACK",
+    "ARM",
+    "ARM_AND_WAIT",
+    "NUM_SIGNALS",
+    "PEER_WORDS",
+    "READY",
+    "READY_END",
+    "WAIT_READY_END",
+    "WAIT_READY_START",
+    "Handshake",
+    "pack_peer",
+    "unpack_peer",
+]
+
+READY, ACK, ARM = 0, 1, 2
+NUM_SIGNALS = 3
+
+ARM_AND_WAIT = 1
+READY_END = 2
+WAIT_READY_START = 4
+WAIT_READY_END = 8
+
+PEER_WORDS = 8  # packed per-peer words a kernel takes (MAX_PEERS)
+_TAG = 1 << 62
+_ARM_BITS = 30  # arm_wait < 2**30, ready_wait < 2**31: a billion calls per pair
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Where a kernel performs the handshake: fixed for a group's lifetime.
+
+    Attributes:
+        sig: address of this rank's int64 ``(NUM_SIGNALS, W)`` signal array.
+        sig_peers: address of an int64 ``(W,)`` device table: peer ``c``'s signal array as
+            this rank's NVLink-mapped address (its own for ``c == rank``).
+        counter: address of a local int32, zero between launches (finished programs).
+        rank: this rank (the slot index it signals into on peers).
+    """
+
+    sig: int
+    sig_peers: int
+    counter: int
+    rank: int
+
+
+def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False) -> int:
+    """One peer's word for a handshake launch: the ``ARM`` count to wait for (it is a
+    destination when > 0), the ``READY`` count to wait for (a source when > 0), and whether
+    this launch arms it."""
+    if not (0 <= arm_wait < 1 << _ARM_BITS and 0 <= ready_wait < 1 << 31):
+        raise ValueError(f"signal counts out of range: arm_wait={arm_wait}, ready_wait={ready_wait}")
+    return _TAG | arm_wait << 32 | ready_wait << 1 | int(bool(arm_now))
+
+
+def unpack_peer(word: int) -> tuple[int, int, bool]:
+    """Inverse of :func:`pack_peer`: ``(arm_wait, ready_wait, arm_now)``."""
+    return (word >> 32) & ((1 << _ARM_BITS) - 1), (word >> 1) & ((1 << 31) - 1), bool(word & 1)
+
+
+IDLE_WORD = pack_peer()  # a peer the launch neither waits for nor signals
