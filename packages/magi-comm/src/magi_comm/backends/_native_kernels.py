@@ -433,7 +433,8 @@ class CopyLaunch:
         grid = self.sync_grid if sync else self.grid
         if grid[0] == 0:
             return
-        sink = sink or self.filler
+        # 0 (an empty tensor: nothing is read or written) would turn the address 32-bit
+        src, sink = src or self.filler, sink or self.filler
         consts, variant = self._mode(sync)
         key = (variant, src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
         peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))

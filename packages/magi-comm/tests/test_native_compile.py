@@ -1,0 +1,108 @@
+"""Every kernel launch the native backend makes compiles for Hopper (sm_90), without a GPU.
+
+The backend runs in the fake world (``native_fake``: ranks are threads, the data moves through
+the reference kernels), and every launch is also handed to the real Triton launch objects,
+whose launch step is replaced by a compile for sm_90 with exactly the specialization Triton
+would derive from the arguments (types, 16-byte divisibility, constants equal to 1). That
+covers what the interpreter tests cannot: types (an address of 0 is a 32-bit integer to
+Triton), the handshake variants, empty tables, word sizes and vector widths of the cases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton not installed", allow_module_level=True)
+
+import native_fake
+import test_native_fake as cases
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+
+from magi_comm.backends import _native_kernels as kernels
+from magi_comm.backends import native
+from magi_comm.backends.native import NativeBackend, NativeConfig
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+class CompileOnly:
+    """Stands in for ``_Compiled.__call__``: compiles each new specialization for sm_90."""
+
+    def __init__(self) -> None:
+        self.compiled: set = set()
+
+    def __call__(self, launcher, grid, args, consts, num_warps, stream, key=None) -> None:
+        fn = launcher.jit_fn
+        free = set(fn.do_not_specialize)
+        signature, constexprs, attrs = {}, {}, {}
+        for i, (name, value) in enumerate(zip(fn.arg_names, [*args, *consts.values()])):
+            if name in consts:
+                signature[name], constexprs[(i,)] = "constexpr", value
+                continue
+            ty, attr = native_specialize_impl(
+                CUDABackend, value, False, i not in free and name not in free, True
+            )
+            if ty == "constexpr":  # an integer equal to 1
+                signature[name], constexprs[(i,)] = "constexpr", attr
+                continue
+            signature[name] = ty
+            if attr:
+                attrs[(i,)] = CUDABackend.parse_attr(attr)
+        spec = (
+            fn.__name__,
+            num_warps,
+            tuple(signature.values()),
+            repr(sorted(constexprs.items())),
+            tuple(attrs),
+        )
+        if spec in self.compiled:
+            return
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        triton.compile(src, target=HOPPER, options={"num_warps": num_warps})
+        self.compiled.add(spec)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
+    fw = native_fake.installed(monkeypatch, world)
+    compiler = CompileOnly()
+    monkeypatch.setattr(kernels._Compiled, "__call__", lambda self, *a, **k: compiler(self, *a, **k))
+    monkeypatch.setattr(kernels._Compiled, "direct", True, raising=False)
+
+    class Both(native_fake.CopyLaunch):
+        """The fake moves the rows; the real launch object compiles its kernel."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, world=fw, **kwargs)
+            self.real = kernels.CopyLaunch(*args, **kwargs)
+
+        def __call__(self, src, sink, stream=None, sync=0, words=()):
+            self.real(src, sink, stream, sync, words)
+            super().__call__(src, sink, stream, sync, words)
+
+    def reduce_both(*args, **kwargs):
+        kernels.launch_reduce(*args, **kwargs)
+        native_fake.launch_reduce(*args, world=fw, **kwargs)
+
+    monkeypatch.setattr(
+        native, "_load_kernels", lambda: types.SimpleNamespace(CopyLaunch=Both, launch_reduce=reduce_both)
+    )
+    small = cases._cases(world, 100 + world, 24, big=False)
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
+            for case in small:
+                cases._run(be, case, rank, world)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    names = {spec[0] for spec in compiler.compiled}
+    assert names == {"_copy_kernel", "_reduce_kernel"}, names
+    assert len(compiler.compiled) > 20, len(compiler.compiled)
