@@ -318,10 +318,6 @@ def handshake_steps(world, hs, W, sync, words):
         for c, (arm_wait, _, _) in enumerate(waits):
             if arm_wait:
                 world.kernel_wait(slot(hs.sig, proto.ARM, c), arm_wait)
-    if sync & proto.WAIT_READY_START:
-        for c, (_, ready_wait, _) in enumerate(waits):
-            if ready_wait:
-                world.kernel_wait(slot(hs.sig, proto.READY, c), ready_wait)
     yield
     if sync & proto.READY_END:
         for c, (arm_wait, _, _) in enumerate(waits):
@@ -334,24 +330,7 @@ def handshake_steps(world, hs, W, sync, words):
     yield
 
 
-def launch_reduce(
-    out,
-    inp,
-    region,
-    term_row,
-    term_self,
-    nterms,
-    *,
-    acc_reduce,
-    average,
-    stream=None,
-    sig=0,
-    words=(),
-    world=None,
-):
-    if sig:
-        hs = proto.Handshake(sig, 0, 0, world.pe)
-        next(handshake_steps(world, hs, len(words), proto.WAIT_READY_START, words))
+def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
     E = out.shape[1]
     peer = term_row[(term_self == 0) & (term_row >= 0)]
     rows = int(peer.max()) + 1 if peer.numel() else 0
@@ -422,7 +401,7 @@ def install(monkeypatch, world: FakeWorld) -> None:
     def counted_reduce(*args, **kwargs):
         with world.cond:
             world.reduces += 1
-        launch_reduce(*args, **kwargs, world=world)
+        launch_reduce(*args, **kwargs)
 
     def copy_launch(*args, **kwargs):
         return CopyLaunch(*args, **kwargs, world=world)

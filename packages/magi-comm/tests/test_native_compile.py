@@ -89,7 +89,7 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
 
     def reduce_both(*args, **kwargs):
         kernels.launch_reduce(*args, **kwargs)
-        native_fake.launch_reduce(*args, world=fw, **kwargs)
+        native_fake.launch_reduce(*args, **kwargs)
 
     monkeypatch.setattr(
         native, "_load_kernels", lambda: types.SimpleNamespace(CopyLaunch=Both, launch_reduce=reduce_both)

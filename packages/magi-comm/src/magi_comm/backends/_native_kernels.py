@@ -10,6 +10,10 @@ up to 8 addresses) and/or the local sink. Used for
   straight into that output instead: the backend's direct mode);
 * the receive step (``src`` = the local symmetric buffer, destination = the sink).
 
+A send launch may also carry the backend's handshake (:mod:`magi_comm.backends._native_protocol`):
+program 0 arms the sources, every program waits for the destinations' arms before its first
+store, and the last program to finish signals the destinations and waits for the sources.
+
 Words are 1, 2, 4 or 8 bytes (:func:`magi_comm.backends._native_layout.word_size`); ``VEC`` is
 a divisibility hint (in words) for 16-byte vector accesses when every offset allows it.
 
@@ -92,7 +96,7 @@ def _await_at_least(ptr, value):
 
 @triton.jit
 def _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.constexpr, ME: tl.constexpr,
-                     HS_ARM: tl.constexpr, HS_WAIT_START: tl.constexpr):  # fmt: skip
+                     HS_ARM: tl.constexpr):  # fmt: skip
     slots = sig.to(tl.pointer_type(tl.int64))
     if HS_ARM:
         if tl.program_id(0) == 0:
@@ -104,11 +108,6 @@ def _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.const
             want = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
             if want > 0:
                 _await_at_least(slots + ARM * W + c, want)
-    if HS_WAIT_START:
-        for c in tl.static_range(W):
-            want = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
-            if want > 0:
-                _await_at_least(slots + READY * W + c, want)
 
 
 @triton.jit
@@ -213,7 +212,6 @@ def _copy_kernel(
     ME: tl.constexpr,
     HS_ARM: tl.constexpr,
     HS_READY: tl.constexpr,
-    HS_WAIT_START: tl.constexpr,
     HS_WAIT_END: tl.constexpr,
 ):
     # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
@@ -221,7 +219,7 @@ def _copy_kernel(
     # addressed through plain integers, as in the verified peer-store recipe.
     # Program p copies blocks p, p + grid, ...: a grid smaller than the table
     # (NativeConfig.max_programs) leaves the other SMs to a kernel running beside the copy.
-    _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM, HS_WAIT_START)
+    _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM)
     offs = tl.arange(0, BLOCK)
     b = tl.program_id(0)
     while b < nblocks:
@@ -250,7 +248,6 @@ def _handshake_flags(sync: int) -> dict[str, int]:
     return dict(
         HS_ARM=int(bool(sync & proto.ARM_AND_WAIT)),
         HS_READY=int(bool(sync & proto.READY_END)),
-        HS_WAIT_START=int(bool(sync & proto.WAIT_READY_START)),
         HS_WAIT_END=int(bool(sync & proto.WAIT_READY_END)),
     )
 
@@ -441,7 +438,7 @@ class CopyLaunch:
         _copy(grid, (src, sink, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
 
 
-@triton.jit(do_not_specialize=_PEER_ARGS)
+@triton.jit
 def _reduce_kernel(
     out,
     inp,
@@ -451,25 +448,13 @@ def _reduce_kernel(
     nterms,
     n_rows,
     E,
-    sig,
-    p0,
-    p1,
-    p2,
-    p3,
-    p4,
-    p5,
-    p6,
-    p7,
     TERMS: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
     ACC: tl.constexpr,
     AVG: tl.constexpr,
     ACC_DT: tl.constexpr,
-    W: tl.constexpr,
-    HS_WAIT_START: tl.constexpr,
 ):
-    _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig, W, 0, 0, HS_WAIT_START)  # peers' rows are in
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     rmask = rows < n_rows
@@ -514,8 +499,6 @@ def launch_reduce(
     acc_reduce: bool,
     average: bool,
     stream: torch.cuda.Stream | None = None,
-    sig: int = 0,
-    words: tuple[int, ...] = (),
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -527,23 +510,15 @@ def launch_reduce(
             peer terms).
         term_row / term_self / nterms: from
             :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
-        sig, words: with ``sig`` (this rank's signal array) every program first waits for the
-            ``READY`` counts of ``words`` (one packed word per rank of the group, see
-            :mod:`magi_comm.backends._native_protocol`): the peers' rows are in the regions.
     """
     n_rows, E = out.shape[0], out.shape[1]
-    if (n_rows == 0 or E == 0) and not sig:
+    if n_rows == 0 or E == 0:
         return
     region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
-    bc = min(triton.next_power_of_2(max(E, 1)), 1024)
+    bc = min(triton.next_power_of_2(E), 1024)
     br = max(1, min(64, 4096 // bc))
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
-    # without rows one program still waits for the peers (stream order after the wait)
-    grid = (max(triton.cdiv(n_rows, br), 1), max(triton.cdiv(E, bc), 1), 1)
-    peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
-    args = (out, inp, region, term_row, term_self, nterms, n_rows, E, sig or region, *peer_words)
-    consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
-                  W=max(len(words), 1), HS_WAIT_START=int(bool(sig)))  # fmt: skip
-    # the packed words are not specialized on: leave them out of the launch key
-    key = (tuple(_spec(a) for a in args[:9]), tuple(consts.values()), 8, args_device(args))
-    _reduce(grid, args, consts, 8, stream, key=key)
+    grid = (triton.cdiv(n_rows, br), triton.cdiv(E, bc), 1)
+    args = (out, inp, region, term_row, term_self, nterms, n_rows, E)
+    consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt)
+    _reduce(grid, args, consts, 8, stream)

@@ -17,9 +17,11 @@ wait kernels around the copy, the copy kernels do the steps themselves:
 * ``READY_END`` (send kernel, end): the last program to finish adds 1 to ``READY`` slot
   ``rank`` on each destination (every program's stores are released before, through a
   system-scope counter).
-* ``WAIT_READY_START`` (receive or reduce kernel) / ``WAIT_READY_END`` (send kernel of a
-  direct-mode cast, last program): wait until ``READY`` slot of each source reaches
-  ``ready_wait``.
+* ``WAIT_READY_END`` (send kernel, end): the last program then waits until the ``READY``
+  slot of each source reaches ``ready_wait``; the kernels after it on the stream (a receive
+  copy, a fused reduction, the caller's work) find the peers' rows in place. One program
+  waits, not every program of the next kernel: waiting programs hold SM slots that an
+  attention kernel running beside the transfer could use.
 
 Per call the kernel gets one packed int64 per peer (:func:`pack_peer`): the waits change with
 every call, and Triton must not specialize on them (the tag bit keeps them 64-bit).
@@ -38,7 +40,6 @@ __all__ = [
     "READY",
     "READY_END",
     "WAIT_READY_END",
-    "WAIT_READY_START",
     "Handshake",
     "pack_peer",
     "unpack_peer",
@@ -49,8 +50,7 @@ NUM_SIGNALS = 3
 
 ARM_AND_WAIT = 1
 READY_END = 2
-WAIT_READY_START = 4
-WAIT_READY_END = 8
+WAIT_READY_END = 4
 
 PEER_WORDS = 8  # packed per-peer words a kernel takes (MAX_PEERS)
 _TAG = 1 << 62

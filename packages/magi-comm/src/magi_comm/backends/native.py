@@ -37,8 +37,8 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
   buffer holds every pair) does those steps inside its kernels instead of NVSHMEM's on-stream
   signal and wait operations (each a kernel launch): program 0 of the send kernel arms the
   sources, every program waits for the destinations' arms, the last program to finish signals
-  them ready; the receive copy or fused reduction waits for the sources first (a cast into a
-  symmetric output: the send kernel's last program waits). Same slots, same counts, so ranks
+  them ready and then waits for the sources' rows; the receive copy or fused reduction follows
+  in stream order. A cast into a symmetric output is one launch. Same slots, same counts, so ranks
   may mix both paths on one pair (:mod:`magi_comm.backends._native_protocol`;
   ``NativeConfig.device_handshake``). Deadlock-free for the same reason, provided every kernel
   on the GPU beside the copy finishes on its own (waiting programs hold SM slots).
@@ -108,7 +108,6 @@ from ._native_protocol import (
     READY,
     READY_END,
     WAIT_READY_END,
-    WAIT_READY_START,
     Handshake,
     pack_peer,
 )
@@ -770,7 +769,6 @@ class NativeBackend:
                                     vec=vec,
                                     num_warps=nw,
                                     max_programs=cap,
-                                    handshake=st.handshake,
                                 ),
                             )
                         )
@@ -782,9 +780,8 @@ class NativeBackend:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
         ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
-        copies: ``consume(words)`` runs once every peer's rows are in the local regions (or at
-        once when there is no round), before the acknowledgements release the regions; with
-        handshake ``words`` its kernel waits for the peers itself.
+        copies: it runs once every peer's rows are in the local regions (or at once when there
+        is no round), before the acknowledgements release the regions.
         ``maps`` (group_cast, direct mode): per source, ``(address, nbytes, token)`` of this
         rank's map for it; peers then write straight into the sink and no receive copy runs. A
         cast without maps puts header 0 (rows through the regions).
@@ -793,7 +790,7 @@ class NativeBackend:
         fields = [f for f in fields if f.row_bytes > 0]
         if not fields:
             if consume is not None:
-                consume(None)
+                consume()
             return
         rbs = tuple(f.row_bytes for f in fields)
         ws = tuple(word_size(rb, f.src, f.sink) for f, rb in zip(fields, rbs))
@@ -829,7 +826,7 @@ class NativeBackend:
             for s in rnd.recv_peers:
                 st.wait(READY, s, st.recvd[s] + 1)
             if consume is not None:
-                consume(None)
+                consume()
             elif maps is None:
                 for _src, sink, local, runs in prepared:
                     runs[k][1](local, sink, stream)
@@ -839,7 +836,7 @@ class NativeBackend:
                 if s in later:
                     st.signal(ACK, s)
         if consume is not None and not rounds:
-            consume(None)
+            consume()
 
     def _arm_header(self, s: int, sink_kind: str, maps) -> tuple[int, int] | None:
         """What arming source ``s`` puts first: ``(address, nbytes)`` of this rank's map for it
@@ -858,10 +855,11 @@ class NativeBackend:
         return header[:2]
 
     def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps) -> None:
-        """A call of one round and one field with the handshake inside the kernels: the send
-        kernel arms the sources, waits for the destinations' arms and signals them ready; the
-        receive copy or the fused reduction waits for the sources (a direct-mode cast has
-        neither: the send kernel's last program waits). Same counts as the host path."""
+        """A call of one round and one field with the handshake inside the send kernel: it arms
+        the sources, waits for the destinations' arms, signals them ready and, in its last
+        program, waits for the sources' rows; the receive copy or the fused reduction follows
+        in stream order (a cast into a symmetric output has none). Same counts as the host
+        path."""
         st = self._require()
         W = self.world_size
         arm_wait, ready_wait, arm_now = [0] * W, [0] * W, [False] * W
@@ -880,18 +878,17 @@ class NativeBackend:
         words = tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now))
         src, sink, local, runs = field
         send, recv = runs[0]
-        direct = maps is not None and consume is None
         send(
             src,
             sink,
             st.stream,
-            sync=ARM_AND_WAIT | READY_END | (WAIT_READY_END if direct else 0),
+            sync=ARM_AND_WAIT | READY_END | WAIT_READY_END,
             words=words,
         )
         if consume is not None:
-            consume(words if rnd.recv_peers else None)
-        elif not direct:
-            recv(local, sink, st.stream, sync=WAIT_READY_START if rnd.recv_peers else 0, words=words)
+            consume()
+        elif maps is None:
+            recv(local, sink, st.stream)
 
     def _direct_maps(self, plan: CastPlan, sink: torch.Tensor, rb: int):
         """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): ``(table, maps)``
@@ -1030,7 +1027,7 @@ class NativeBackend:
             E = torch.Size(out.shape[1:]).numel()
             term_row, term_self, nterms = self._terms(plan, R, out.device)
 
-            def consume(words):
+            def consume():
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
@@ -1041,8 +1038,6 @@ class NativeBackend:
                     acc_reduce=acc_reduce,
                     average=reduce_op == "avg",
                     stream=st.stream,
-                    sig=st.handshake.sig if words else 0,
-                    words=words or (),
                 )
 
             self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume)
