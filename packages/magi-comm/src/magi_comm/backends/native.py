@@ -35,10 +35,11 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
   deadlock.
 * **Handshake in the kernels.** A call of one round and one tensor (the common case: the
   buffer holds every pair) does those steps inside its kernels instead of NVSHMEM's on-stream
-  signal and wait operations (each a kernel launch): program 0 of the send kernel arms the
-  sources, every program waits for the destinations' arms, the last program to finish signals
-  them ready and then waits for the sources' rows; the receive copy or fused reduction follows
-  in stream order. A cast into a symmetric output is one launch. Same slots, same counts, so ranks
+  signal and wait operations (each a kernel launch): a one-program launch arms the sources and
+  waits for the destinations' arms (a destination that is behind then holds one SM slot, not
+  every program of the send kernel); the last program of the send kernel signals them ready
+  and then waits for the sources' rows; the receive copy or fused reduction follows in stream
+  order. A cast into a symmetric output is two launches. Same slots, same counts, so ranks
   may mix both paths on one pair (:mod:`magi_comm.backends._native_protocol`;
   ``NativeConfig.device_handshake``). Deadlock-free for the same reason, provided every kernel
   on the GPU beside the copy finishes on its own (waiting programs hold SM slots).
@@ -91,6 +92,7 @@ from ._native_layout import (
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
+    TaskTable,
     build_reduce_terms,
     build_schedule,
     bytes_needed,
@@ -367,6 +369,7 @@ class _GroupState:
         self.handshake = Handshake(
             self.sig.data_ptr(), self.sig_peers.data_ptr(), self.fence_addr + 32, self.rank
         )
+        self.arm_launch = None  # a launch without rows that only arms and waits (built on first use)
         # Direct mode: row d of the map area is where destination d puts its map for our sends;
         # outputs[a] is symmetric output a, output_bases[a, c] its address as peer c's memory.
         self.map_width = 1 + config.map_entries
@@ -855,11 +858,11 @@ class NativeBackend:
         return header[:2]
 
     def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps) -> None:
-        """A call of one round and one field with the handshake inside the send kernel: it arms
-        the sources, waits for the destinations' arms, signals them ready and, in its last
-        program, waits for the sources' rows; the receive copy or the fused reduction follows
-        in stream order (a cast into a symmetric output has none). Same counts as the host
-        path."""
+        """A call of one round and one field with the handshake inside the kernels: a
+        one-program launch arms the sources and waits for the destinations' arms; the send
+        kernel signals the destinations ready and, in its last program, waits for the sources'
+        rows; the receive copy or the fused reduction follows in stream order (a cast into a
+        symmetric output has none). Same counts as the host path."""
         st = self._require()
         W = self.world_size
         arm_wait, ready_wait, arm_now = [0] * W, [0] * W, [False] * W
@@ -876,15 +879,23 @@ class NativeBackend:
             arm_wait[d] = st.arms_seen[d]
             st.sent[d] += 1
         words = tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now))
+        if st.arm_launch is None:
+            with torch.cuda.stream(st.stream):  # the empty table's copy, ahead of the launch
+                empty = to_blocks(TaskTable.empty(W), 1, 1).to(st.device, _to_device)
+                st.arm_launch = self._kernels.CopyLaunch(
+                    empty,
+                    [None] * W,
+                    torch.int64,
+                    max_programs=self.config.max_programs,
+                    handshake=st.handshake,
+                )
+        # One program arms and waits for the arms, so that a destination that is behind holds
+        # one SM slot, not every program of the send kernel (an attention kernel running beside
+        # the transfer keeps the others).
+        st.arm_launch(0, 0, st.stream, sync=ARM_AND_WAIT, words=words)
         src, sink, local, runs = field
         send, recv = runs[0]
-        send(
-            src,
-            sink,
-            st.stream,
-            sync=ARM_AND_WAIT | READY_END | WAIT_READY_END,
-            words=words,
-        )
+        send(src, sink, st.stream, sync=READY_END | WAIT_READY_END, words=words)
         if consume is not None:
             consume()
         elif maps is None:
