@@ -114,7 +114,8 @@ def main() -> None:
         choices=("high", "normal"),
         default="high",
         help="CUDA priority of the communication streams (NCCL's and magi-comm native's): high "
-        "lets a cast overlapped with an attention kernel take SMs as that kernel's programs retire",
+        "lets a cast overlapped with an attention kernel take SMs as that kernel's programs retire "
+        "(sets $MAGI_COMM_NATIVE_STREAM_PRIORITY, overriding a value set by the user)",
     )
     args = ap.parse_args()
 

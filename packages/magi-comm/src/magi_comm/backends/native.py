@@ -166,14 +166,15 @@ class NativeConfig:
             blocks (``$MAGI_COMM_NATIVE_MAX_PROGRAMS``; 0: one program per block). With one
             program per block a copy takes every SM that a kernel running beside it frees
             until the copy is done, so an attention stage overlapped with a cast runs about
-            as long as the two back to back. The default, 128, packs the copy onto the few SMs
-            that free up first (several programs fit one SM), so the two overlap (measured in
-            docs/perf.md, "overlap" in the magi-dist section).
-        device_handshake: calls of one round and one tensor signal and wait inside the copy
-            and reduce kernels (:mod:`magi_comm.backends._native_protocol`) instead of through
+            as long as the two back to back. With the default, 128, the two overlap (measured
+            in docs/perf.md, "overlap" in the magi-dist section); the likely mechanism, not
+            measured: the capped grid packs the copy onto the few SMs that free up first
+            (several programs fit one SM).
+        device_handshake: calls of one round and one tensor signal and wait inside the
+            kernels (:mod:`magi_comm.backends._native_protocol`) instead of through
             NVSHMEM's on-stream signal and wait operations, each a kernel launch of its own
             (``$MAGI_COMM_NATIVE_DEVICE_HANDSHAKE=0`` turns it off). A cast into a symmetric
-            output is then one launch per call.
+            output is then two launches per call (five on the host path).
     """
 
     buffer_bytes: int = 256 * _MIB
