@@ -57,30 +57,46 @@ def _kernel_declined(exc: NotImplementedError) -> None:
     )
 
 
+def _kernel_forward(cute, args: ValidatedAttnArgs, sink, sink_layout: str, return_max_logits: bool):
+    """One plain kernel call over ``args``: (out in q's dtype, lse, max_logits or None)."""
+    return cute.cute_forward(
+        args.q,
+        args.k,
+        args.v,
+        args.q_ranges,
+        args.k_ranges,
+        args.attn_type_map,
+        softmax_scale=args.softmax_scale,
+        softcap=args.softcap,
+        sink=sink,
+        sink_layout=sink_layout,
+        return_max_logits=return_max_logits,
+    )
+
+
 def _forward_stage(
     args: ValidatedAttnArgs, out_acc: torch.Tensor, lse_acc: torch.Tensor, max_logits_acc: torch.Tensor | None
 ) -> None:
     cute = _cute_module(args)
     if cute is not None:
-        kw = dict(softmax_scale=args.softmax_scale, softcap=args.softcap)
-        ranges = (args.q_ranges, args.k_ranges, args.attn_type_map)
         try:
             if cute.accumulators_fit(out_acc, lse_acc, max_logits_acc):
                 # The kernel's epilogue merges by log-sum-exp straight into the accumulators.
                 cute.cute_forward_accumulate(
-                    args.q, args.k, args.v, *ranges, out_acc, lse_acc, max_logits_acc=max_logits_acc, **kw
+                    args.q,
+                    args.k,
+                    args.v,
+                    args.q_ranges,
+                    args.k_ranges,
+                    args.attn_type_map,
+                    out_acc,
+                    lse_acc,
+                    max_logits_acc=max_logits_acc,
+                    softmax_scale=args.softmax_scale,
+                    softcap=args.softcap,
                 )
                 return
-            out, lse, max_logits = cute.cute_forward(
-                args.q,
-                args.k,
-                args.v,
-                *ranges,
-                sink=None,
-                sink_layout="sh",
-                return_max_logits=max_logits_acc is not None,
-                **kw,
-            )
+            out, lse, max_logits = _kernel_forward(cute, args, None, "sh", max_logits_acc is not None)
         except NotImplementedError as exc:
             _kernel_declined(exc)
         else:
@@ -101,19 +117,7 @@ def _forward_whole(
     cute = _cute_module(args)
     if cute is not None:
         try:
-            return cute.cute_forward(
-                args.q,
-                args.k,
-                args.v,
-                args.q_ranges,
-                args.k_ranges,
-                args.attn_type_map,
-                softmax_scale=args.softmax_scale,
-                softcap=args.softcap,
-                sink=sink,
-                sink_layout=sink_layout,
-                return_max_logits=return_max_logits,
-            )
+            return _kernel_forward(cute, args, sink, sink_layout, return_max_logits)
         except NotImplementedError as exc:
             _kernel_declined(exc)
     out_acc, lse_acc, max_acc = forward_accumulators(args.q, max_logits=return_max_logits)
