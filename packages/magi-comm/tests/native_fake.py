@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import sys
 import threading
@@ -47,6 +48,9 @@ class FakeWorld:
             set()
         )  # max_programs of every copy launch built  # NVSHMEM on-stream signal and wait operations per PE
         self.reduces = 0  # launches of the fused reduction kernel
+        self.progress_signals = 0  # PROGRESS slots raised by send kernels
+        self.row_waits_by_progress = 0  # receiving waits passed by PROGRESS before READY
+        self.overlapped = 0  # receive steps launched beside the send kernel
         self.puts = 0
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
@@ -134,6 +138,24 @@ class FakeWorld:
             _words_at(addr, 1, torch.int64)[0] += 1
             self.kernel_signals += 1
             self.cond.notify_all()
+
+    def kernel_max(self, addr: int, value: int) -> None:
+        with self.cond:
+            slot = _words_at(addr, 1, torch.int64)
+            slot[0] = max(int(slot[0]), value)
+            self.kernel_signals += 1
+            self.progress_signals += 1
+            self.cond.notify_all()
+
+    def kernel_wait_rows(self, progress: int, want: int, ready: int, ready_want: int) -> None:
+        """Wait until the slot at ``progress`` reaches ``want`` or the one at ``ready`` reaches
+        ``ready_want`` (a receiving program waiting for a source's rows)."""
+        p, r = _words_at(progress, 1, torch.int64), _words_at(ready, 1, torch.int64)
+        with self.cond:
+            self.kernel_waits += 1
+            if not self.cond.wait_for(lambda: int(p[0]) >= want or int(r[0]) >= ready_want, timeout=TIMEOUT):
+                raise TimeoutError(f"PE {self.pe}: wait for rows ({want:#x} / ready {ready_want}) timed out")
+            self.row_waits_by_progress += int(int(p[0]) >= want and int(r[0]) < ready_want)
 
     def kernel_wait(self, addr: int, value: int) -> None:
         slot = _words_at(addr, 1, torch.int64)
@@ -243,11 +265,15 @@ class CopyLaunch:
         direct=None,
         max_programs=0,
         handshake=None,
+        progress=None,
+        waits=None,
         world=None,
     ):
         assert max_programs >= 0
+        assert (progress is None and waits is None) or handshake is not None
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.max_programs, self.handshake = max_programs, handshake
+        self.progress, self.waits = progress, waits
         self.world = world
         with world.cond:
             world.copy_program_caps.add(max_programs)
@@ -280,14 +306,47 @@ class CopyLaunch:
     def __call__(self, src, sink, stream=None, sync=0, words=()):
         W = len(self.peers)
         assert not sync or (self.handshake is not None and len(words) == W)
+        assert not sync & proto.SIGNAL_PROGRESS or self.progress is not None
+        assert not sync & proto.AWAIT_ROWS or self.waits is not None
         steps = handshake_steps(self.world, self.handshake, W, sync, words)
         next(steps)  # the start of the kernel
-        if self.table.num_blocks:
+        if sync & proto.AWAIT_ROWS:  # block by block, each after the rows it reads
+            with self.world.cond:
+                self.world.overlapped += 1
+            source, rows = self.waits
+            for b in range(self.table.num_blocks):
+                await_rows(self.world, self.handshake, W, int(source[b]), int(rows[b]), words)
+                self._copy(src, sink, b, b + 1)
+        elif sync & proto.SIGNAL_PROGRESS and self.table.num_blocks:  # chunk by chunk, reported
+            rows, _, chunk = self.progress
+            peers = _words_at(self.handshake.sig_peers, W, torch.int64).tolist()
+            wanted = self._progress_wanted(rows)
+            for j in range(rows.shape[0]):
+                self._copy(src, sink, j * chunk, (j + 1) * chunk)
+                for c in range(W):
+                    if wanted and int(rows[j, c]) >= 0:
+                        epoch = proto.unpack_peer(words[c])[0]
+                        addr = peers[c] + 8 * (proto.PROGRESS * W + self.handshake.rank)
+                        self.world.kernel_max(addr, proto.progress_value(epoch, int(rows[j, c])))
+        elif self.table.num_blocks:
             self._copy(src, sink)
         next(steps, None)  # the end
 
-    def _copy(self, src, sink):
+    def _progress_wanted(self, rows) -> bool:
+        """The kernel's rule: report unless every destination is in direct mode."""
+        W = len(self.peers)
+        if self.direct is None or not self.table.has_splits:
+            return True
+        maps = _words_at(self.direct[0], W * self.direct[2], torch.int64).view(W, self.direct[2])
+        return any(int(rows[0, c]) >= 0 and int(maps[c, 0]) == 0 for c in range(W))
+
+    def _copy(self, src, sink, lo=0, hi=None):
+        """Copy blocks ``[lo, hi)`` of the table."""
         table, W = self.table, len(self.peers)
+        hi = table.num_blocks if hi is None else min(hi, table.num_blocks)
+        if lo >= hi:
+            return
+        table = dataclasses.replace(table, blk_task=table.blk_task[lo:hi], blk_start=table.blk_start[lo:hi])
         direct = self._direct_targets() if self.direct is not None and table.has_splits else None
         ends = table.task_dst + table.task_len[:, None]
         reach = torch.where(table.task_dst >= 0, ends, 0).amax(0).tolist()  # words per column
@@ -330,7 +389,31 @@ def handshake_steps(world, hs, W, sync, words):
     yield
 
 
-def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None):
+def await_rows(world, hs, W, s, rows, words) -> None:
+    """The kernels' wait for the first ``rows`` rows of source ``s``'s region."""
+    epoch, ready_want, _ = proto.unpack_peer(words[s])
+    slot = lambda kind: hs.sig + 8 * (kind * W + s)  # noqa: E731
+    world.kernel_wait_rows(
+        slot(proto.PROGRESS), proto.progress_value(epoch, rows), slot(proto.READY), ready_want
+    )
+
+
+def launch_reduce(
+    out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None, waits=None
+):
+    if waits is not None:
+        need, order, sig, words, cap = waits
+        assert sorted(order.tolist()) == list(range(need.shape[0]))
+        assert cap > 0, "a waiting reduction needs a bounded grid"
+        world = _current_world["world"]
+        hs = proto.Handshake(sig, 0, 0, -1)
+        with world.cond:
+            world.overlapped += 1
+        W = need.shape[1]
+        for s in range(W):
+            rows = int(need[:, s].max()) if need.numel() else 0
+            if rows > 0:
+                await_rows(world, hs, W, s, rows, words)
     E = out.shape[1]
     peer = term_row[(term_self == 0) & (term_row >= 0)]
     rows = int(peer.max()) + 1 if peer.numel() else 0
@@ -341,6 +424,12 @@ def launch_reduce(out, inp, region, term_row, term_self, nterms, *, acc_reduce, 
     else:
         reg = out[:0]
     native_sim._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
+
+
+def reduce_tile_rows(E: int, waiting: bool = False) -> int:
+    """Rows per tile of the fused reduction (any value works for the fake; a small one makes
+    several tiles)."""
+    return 3
 
 
 class _Stream:
@@ -381,11 +470,18 @@ class _Event:
     def record(self, stream=None):
         pass
 
+    def synchronize(self):
+        pass
+
+
+_current_world: dict = {}  # "world": the installed world (the fake reduction's waits need it)
+
 
 def install(monkeypatch, world: FakeWorld) -> None:
     """Patch torch / nvshmem / the native module for the fake world (undone by monkeypatch)."""
     from magi_comm.backends import native
 
+    monkeypatch.setitem(_current_world, "world", world)
     for name, mod in modules(world).items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -409,7 +505,9 @@ def install(monkeypatch, world: FakeWorld) -> None:
     monkeypatch.setattr(
         native,
         "_load_kernels",
-        lambda: types.SimpleNamespace(CopyLaunch=copy_launch, launch_reduce=counted_reduce),
+        lambda: types.SimpleNamespace(
+            CopyLaunch=copy_launch, launch_reduce=counted_reduce, reduce_tile_rows=reduce_tile_rows
+        ),
     )
     monkeypatch.setattr(native, "_runtime_store", threading.local())
     monkeypatch.setattr(native._Runtime, "_lock", _PerThreadLock())

@@ -231,8 +231,27 @@ def _fused_reference(out, inp, region, term_row, term_self, nterms, acc_reduce, 
     out.copy_(res.to(out.dtype))
 
 
-def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3) -> None:
-    """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle."""
+def _satisfied_signals(W: int, R: int, salt: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A signal array where every source's rows are in place (by PROGRESS for some sources, by
+    READY for the others) and the matching per-source words (the interpreter runs one program
+    at a time: a wait must already be satisfied)."""
+    from magi_comm.backends import _native_protocol as proto
+
+    sig = torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64)
+    for s in range(W):
+        if (s + salt) % 2:
+            sig[proto.PROGRESS * W + s] = proto.progress_value(3, R)
+            sig[proto.READY * W + s] = 4  # one short: only PROGRESS passes
+        else:
+            sig[proto.PROGRESS * W + s] = proto.progress_value(2, 10 * R)  # an older call's
+            sig[proto.READY * W + s] = 5
+    return sig, tuple(proto.pack_peer(3, 5) for _ in range(W))
+
+
+def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3, waits=False) -> None:
+    """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
+    ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
+    signals already say they are in place; a grid of 2 programs strides over the tiles)."""
     W = lay.world
     plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
     scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
@@ -253,8 +272,15 @@ def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3) -> None:
         term_row, term_self, nterms = build_reduce_terms(plans[r], R)
         out = olds[r].clone()
         if use_triton:
-            from magi_comm.backends._native_kernels import launch_reduce
+            from magi_comm.backends._native_kernels import launch_reduce, reduce_tile_rows
+            from magi_comm.backends._native_layout import arrival_order, reduce_waits
 
+            wait_args = None
+            if waits:
+                sig, words = _satisfied_signals(W, R, r)
+                need = reduce_waits(term_row, term_self, nterms, r, W, R, reduce_tile_rows(E, True))
+                order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
+                wait_args = (need, order, sig.data_ptr(), words, 2)
             launch_reduce(
                 out,
                 inputs[r],
@@ -264,6 +290,7 @@ def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3) -> None:
                 nterms,
                 acc_reduce=acc,
                 average=op == "avg",
+                waits=wait_args,
             )
         else:
             _fused_reference(out, inputs[r], regions[r], term_row, term_self, nterms, acc, op == "avg")
@@ -278,7 +305,8 @@ def main_triton_reduce(n: int = 16) -> None:
         lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
         # not bfloat16: the interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest even)
         dtype = rng.choice([torch.float32, torch.float64, torch.float16])
-        check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True)
+        check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
+                           waits=rng.random() < 0.5)  # fmt: skip
     print("native_sim fused reduce triton ok", file=sys.stderr)
 
 
@@ -345,3 +373,69 @@ def main_triton_handshake() -> None:
         raise AssertionError("a launch without a handshake accepted handshake steps")
 
     print("native_sim handshake triton ok", file=sys.stderr)
+
+
+def main_triton_overlap() -> None:
+    """Entry point: the send kernel's progress reports and the receive copy's waits under
+    TRITON_INTERPRET=1 (see _native_protocol, "Progress").
+
+    Rank 1 of 3 sends 24 words (rows of 2 words, blocks of 4) to peers 0 and 2 and itself
+    with a grid of 2 programs and chunks of 2 blocks: peer 0's and peer 2's PROGRESS slot for
+    rank 1 end at (epoch, 12 rows), every chunk's counter back at 0. Then a receive copy out of
+    rank 1's own regions waits for sources 0 and 2, whose rows the signal array already
+    reports (one by PROGRESS, one by READY), and moves the rows."""
+    from magi_comm.backends import _native_protocol as proto
+    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends._native_layout import recv_waits, send_progress
+
+    W, me, n, rw, R = 3, 1, 24, 2, 16
+    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
+    sig_peers = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+    counter = torch.zeros(4, dtype=torch.int32)
+    chunk_cnt = torch.zeros(16, dtype=torch.int32)
+    hs = proto.Handshake(sigs[me].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
+    span = R * rw
+    # rows go to region index(1, 0) = 0 of peer 0 and index(1, 2) = 1 of peer 2
+    task = TaskTable(torch.tensor([0]), torch.tensor([n // rw]),
+                     torch.tensor([[region_index(me, 0) * R, -1, region_index(me, 2) * R, 0]]))  # fmt: skip
+    table = to_blocks(task, rw, 4)
+    rows = send_progress(table, me, W, R, rw, 2)
+    assert rows.tolist() == [[4, -1, 4], [8, -1, 8], [12, -1, 12]], rows
+    bufs = [torch.full((2 * span,), -1, dtype=torch.int64) for _ in range(W)]
+    src = torch.arange(100, 100 + n, dtype=torch.int64)
+    sink = torch.full((n,), -1, dtype=torch.int64)
+    peers = [bufs[0].data_ptr(), None, bufs[2].data_ptr()]
+    send = CopyLaunch(table, peers, torch.int64, num_warps=1, handshake=hs, max_programs=2,
+                      progress=(rows, chunk_cnt.data_ptr(), 2))  # fmt: skip
+    words = (proto.pack_peer(arm_wait=7), proto.pack_peer(), proto.pack_peer(arm_wait=9))
+    send(src.data_ptr(), sink.data_ptr(), sync=proto.SIGNAL_PROGRESS, words=words)
+    assert (
+        torch.equal(bufs[0][:n], src)
+        and torch.equal(bufs[2][span : span + n], src)
+        and torch.equal(sink, src)
+    )
+    assert int(sigs[0][proto.PROGRESS * W + me]) == proto.progress_value(7, 12), sigs[0]
+    assert int(sigs[2][proto.PROGRESS * W + me]) == proto.progress_value(9, 12), sigs[2]
+    assert int(chunk_cnt.abs().sum()) == 0, chunk_cnt
+    try:
+        send(src.data_ptr(), 0, sync=proto.AWAIT_ROWS, words=words)
+    except ValueError as e:
+        assert "wait tables" in str(e), e
+    else:
+        raise AssertionError("a send without wait tables accepted AWAIT_ROWS")
+
+    # receive: rank 1's regions hold 5 rows from source 0 (index 0) and 3 from source 2 (index 1)
+    region = torch.arange(1000, 1000 + 2 * span, dtype=torch.int64)
+    rsrc = torch.tensor([0, R])
+    rtask = TaskTable(rsrc, torch.tensor([5, 3]), torch.tensor([[-1, -1, -1, 0], [-1, -1, -1, 5]]))
+    rtable = to_blocks(rtask, rw, 4)
+    source, need = recv_waits(rtable, me, W, R, rw)
+    assert source.tolist() == [0, 0, 0, 2, 2] and need.tolist() == [2, 4, 5, 2, 3], (source, need)
+    sig, swords = _satisfied_signals(W, R, 0)
+    hs_recv = proto.Handshake(sig.data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
+    out = torch.full((16,), -1, dtype=torch.int64)
+    recv = CopyLaunch(rtable, [None] * W, torch.int64, num_warps=1, handshake=hs_recv, max_programs=2,
+                      waits=(source, need))  # fmt: skip
+    recv(region.data_ptr(), out.data_ptr(), sync=proto.AWAIT_ROWS, words=swords)
+    assert torch.equal(out, torch.cat([region[:10], region[span : span + 6]])), out
+    print("native_sim overlap triton ok", file=sys.stderr)

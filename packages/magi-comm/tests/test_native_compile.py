@@ -92,17 +92,28 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
         native_fake.launch_reduce(*args, **kwargs)
 
     monkeypatch.setattr(
-        native, "_load_kernels", lambda: types.SimpleNamespace(CopyLaunch=Both, launch_reduce=reduce_both)
+        native,
+        "_load_kernels",
+        lambda: types.SimpleNamespace(
+            CopyLaunch=Both, launch_reduce=reduce_both, reduce_tile_rows=kernels.reduce_tile_rows
+        ),
     )
     small = cases._cases(world, 100 + world, 24, big=False)
 
     def rank_fn(rank):
+        overlap = NativeConfig(
+            buffer_bytes=1 << 20, block_bytes=16, overlap_chunk_bytes=16, overlap_reduce=True
+        )
         with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
             for case in small:
                 cases._run(be, case, rank, world)
+            with NativeBackend("group", rank, world, overlap) as be2:  # progress and waiting variants
+                for case in small:
+                    cases._run(be2, case, rank, world)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
     names = {spec[0] for spec in compiler.compiled}
     assert names == {"_copy_kernel", "_reduce_kernel"}, names
     assert len(compiler.compiled) > 20, len(compiler.compiled)
+    assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)

@@ -134,7 +134,46 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
             fw.kernel_waits,
         )
         assert fw.direct_writes > 0  # some casts went straight into peers' outputs
+        assert fw.overlapped == 0  # the default overlap chunk is far larger than these pairs
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_receive_steps_take_rows_as_they_arrive(monkeypatch, world):
+    """Overlap with chunks of one block: the send kernels report every block of pairs that
+    move at least OVERLAP_MIN_CHUNKS blocks, the receive copies and fused reductions (other
+    threads) wait block by block / tile by tile for the rows they read (by progress, or by
+    the ready signal for the smaller pairs); results against the oracle. Off (chunk 0):
+    nothing runs beside."""
+    fw = native_fake.installed(monkeypatch, world)
+    small = _cases(world, 300 + world, 16, big=False)
+
+    def rank_fn(rank, chunk):
+        cfg = NativeConfig(
+            buffer_bytes=1 << 20, block_bytes=16, overlap_chunk_bytes=chunk, overlap_reduce=True
+        )
+        with NativeBackend("group", rank, world, cfg) as be:
+            for case in small:
+                _run(be, case, rank, world)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, lambda rank: rank_fn(rank, 16))
+    assert fw.overlapped > 0 and fw.progress_signals > fw.overlapped, (fw.overlapped, fw.progress_signals)
+    before = (fw.overlapped, fw.progress_signals)
+    native_fake.run_ranks(fw, lambda rank: rank_fn(rank, 0))
+    assert (fw.overlapped, fw.progress_signals) == before
+
+
+def test_overlap_chunk_from_env(monkeypatch):
+    monkeypatch.setenv(native.ENV_OVERLAP_CHUNK_KB, "512")
+    assert NativeConfig.from_env().overlap_chunk_bytes == 512 * 1024
+    monkeypatch.setenv(native.ENV_OVERLAP_CHUNK_KB, "0")
+    assert NativeConfig.from_env().overlap_chunk_bytes == 0
+    for bad, match in (("-1", "overlap_chunk_bytes must be >= 0"), ("big", "must be an integer")):
+        monkeypatch.setenv(native.ENV_OVERLAP_CHUNK_KB, bad)
+        with pytest.raises(ValueError, match=match) as info:
+            NativeConfig.from_env()
+        assert native.ENV_OVERLAP_CHUNK_KB in str(info.value)
 
 
 def _dense_layout(world: int) -> lib.Layout:

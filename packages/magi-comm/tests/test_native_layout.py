@@ -23,16 +23,22 @@ from hypothesis import strategies as st
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends._native_layout import (
     SINK_CONCAT,
+    SINK_NONE,
     SINK_SCATTER,
+    BlockTable,
     TaskTable,
     _runs,
+    apply_blocks,
     build_reduce_terms,
     build_schedule,
     bytes_needed,
     field_offsets,
     grown_capacity,
+    recv_waits,
+    reduce_waits,
     region_index,
     region_rows,
+    send_progress,
     to_blocks,
     word_size,
 )
@@ -191,7 +197,9 @@ def test_registering_native_imports_no_gpu_stack():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-@pytest.mark.parametrize("entry", ["main_triton", "main_triton_reduce", "main_triton_handshake"])
+@pytest.mark.parametrize(
+    "entry", ["main_triton", "main_triton_reduce", "main_triton_handshake", "main_triton_overlap"]
+)
 def test_kernel_under_triton_interpreter(entry):
     """The copy kernel (``main_triton``) and the fused reduction (``main_triton_reduce``) on CPU
     tensors under TRITON_INTERPRET=1, in a subprocess."""
@@ -223,3 +231,90 @@ def test_fused_reduce_terms_refuse_rounds():
     plan = build_reduce_plan(*lay.reduce_args(0), 0, 2)
     with pytest.raises(ValueError, match="does not fit one region"):
         build_reduce_terms(plan, 2)
+
+
+def _blocks(table: BlockTable, lo: int, hi: int) -> BlockTable:
+    return BlockTable(table.blk_task[lo:hi], table.blk_start[lo:hi], *[getattr(table, f) for f in (
+        "task_src", "task_len", "task_dst", "task_split", "task_within", "block_words", "has_splits")])  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    world=st.integers(2, 5),
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["cast", "reduce"]),
+    row_words=st.sampled_from([1, 3, 4]),
+    block_words=st.sampled_from([1, 2, 4, 16]),
+    chunk_blocks=st.sampled_from([1, 2, 3, 100]),
+)
+def test_progress_and_waits_cover_exactly_the_rows(world, seed, kind, row_words, block_words, chunk_blocks):
+    """Overlap: after each chunk of a send, the reported rows of every destination's region are
+    written and the next row is not (the sender copies chunk by chunk into poisoned regions);
+    at the end every row sent is reported. Each receive block waits for the rows it reads and
+    no more; each tile of the fused reduction for the peer rows of its terms."""
+    lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
+    R = 64  # every pair fits one region: one round
+    sink = SINK_SCATTER if kind == "cast" else SINK_NONE
+    plans = [
+        build_cast_plan(*lay.cast_args(r), r, world) if kind == "cast" else build_reduce_plan(*lay.reduce_args(r), r, world)
+        for r in range(world)
+    ]  # fmt: skip
+    W, span = world, R * row_words
+    for r, plan in enumerate(plans):
+        (rnd,) = build_schedule(plan, R, sink).rounds or (None,)
+        if rnd is None:
+            continue
+        table = to_blocks(rnd.send, row_words, block_words)
+        rows = send_progress(table, r, W, R, row_words, chunk_blocks)
+        assert rows.shape == (-(-table.num_blocks // chunk_blocks), W)
+        bufs = [torch.full(((W - 1) * span,), -7, dtype=torch.int64) for _ in range(W)]
+        src = torch.arange(plan.num_input_rows * row_words, dtype=torch.int64)
+        sink_words = torch.zeros(max(plan.num_output_rows, 1) * row_words, dtype=torch.int64)
+        for j in range(rows.shape[0]):
+            part = _blocks(table, j * chunk_blocks, (j + 1) * chunk_blocks)
+            apply_blocks(part, src, sink_words, [None if c == r else bufs[c] for c in range(W)], W)
+            for c in range(W):
+                sent = plan.send_counts[c] if c != r else 0
+                if sent == 0:
+                    assert int(rows[j, c]) == -1
+                    continue
+                got = int(rows[j, c])
+                region = bufs[c][region_index(r, c) * span : region_index(r, c) * span + sent * row_words]
+                written = (region != -7).view(sent, row_words).all(1)
+                assert bool(written[:got].all()), (r, c, j, got)
+                assert got == sent or not bool(written[got]), (r, c, j, got)
+        for c in range(W):
+            if c != r and plan.send_counts[c]:
+                assert int(rows[-1, c]) == plan.send_counts[c]
+
+        if kind == "cast":
+            recv = to_blocks(rnd.recv, row_words, block_words)
+            source, need = recv_waits(recv, r, W, R, row_words)
+            for b in range(recv.num_blocks):
+                t, start = int(recv.blk_task[b]), int(recv.blk_start[b])
+                first = int(recv.task_src[t]) + start
+                last = first + min(block_words, int(recv.task_len[t]) - start) - 1
+                s = int(source[b])
+                base = region_index(s, r) * span
+                assert s != r and base <= first and last < base + plan.recv_counts[s] * row_words
+                assert int(need[b]) == (last - base) // row_words + 1
+        else:
+            term_row, term_self, nterms = build_reduce_terms(plan, R)
+            for tile_rows in (1, 3):
+                need = reduce_waits(term_row, term_self, nterms, r, W, R, tile_rows)
+                expect = torch.zeros_like(need)
+                for j in range(term_row.shape[0]):
+                    for k in range(int(nterms[j])):
+                        if not term_self[j, k]:
+                            reg, q = divmod(int(term_row[j, k]), R)
+                            s = reg + (reg >= r)
+                            expect[j // tile_rows, s] = max(int(expect[j // tile_rows, s]), q + 1)
+                assert torch.equal(need, expect)
+
+
+def test_progress_rejects_bad_chunks():
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        send_progress(to_blocks(TaskTable.empty(2), 1, 1), 0, 2, 4, 1, 0)
+    with pytest.raises(ValueError, match="tile_rows"):
+        z = torch.zeros((0, 2), dtype=torch.int64)
+        reduce_waits(z, z.to(torch.int8), z[:, 0], 0, 2, 4, 0)

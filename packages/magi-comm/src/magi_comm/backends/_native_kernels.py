@@ -45,14 +45,16 @@ import triton.language as tl
 
 from . import _native_protocol as proto
 from ._native_layout import MAX_PEERS, BlockTable
-from ._native_protocol import IDLE_WORD, PEER_WORDS, Handshake
+from ._native_protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake
 
 __all__ = ["CopyLaunch", "launch_reduce"]
 
 # jit code reads module globals only as constexprs
 ARM = tl.constexpr(proto.ARM)
 READY = tl.constexpr(proto.READY)
+PROGRESS = tl.constexpr(proto.PROGRESS)
 _PEER_ARGS = [f"p{c}" for c in range(PEER_WORDS)]
+_POLL_PAUSE_NS = 500
 
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
 
@@ -136,6 +138,119 @@ def _handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W: t
                         _await_at_least(slots + READY * W + c, want)
 
 
+@triton.jit
+def _word_at(s, p0, p1, p2, p3, p4, p5, p6, p7):
+    """Peer ``s``'s packed word (``s`` known only at run time)."""
+    p = p0
+    p = tl.where(s == 1, p1, p)
+    p = tl.where(s == 2, p2, p)
+    p = tl.where(s == 3, p3, p)
+    p = tl.where(s == 4, p4, p)
+    p = tl.where(s == 5, p5, p)
+    p = tl.where(s == 6, p6, p)
+    p = tl.where(s == 7, p7, p)
+    return p
+
+
+@triton.jit
+def _backoff(PAUSE: tl.constexpr):
+    """Sleep about ``PAUSE`` ns between polls (0: none; the interpreter has no inline PTX):
+    every thread of every waiting program polls, and the polled word lies where the peer's
+    NVLink stores land (L2), so a busy poll slows the transfer it waits for."""
+    if PAUSE > 0:
+        tl.inline_asm_elementwise(
+            "nanosleep.u32 $1; mov.u32 $0, 0;",
+            "=r,r",
+            [tl.full((), PAUSE, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _await_rows(sig, s, rows, word, seen, W: tl.constexpr, PAUSE: tl.constexpr):
+    """Wait until the first ``rows`` rows of source ``s``'s region are in place: its
+    ``PROGRESS`` slot reaches them in this call's epoch, or its ``READY`` count is reached
+    (every row of the call). ``seen``: a value of the slot already acquired by this program
+    (-1: none; the caller tracks it per source). Returns the new ``seen``."""
+    epoch = (word >> 32) & 0x3FFFFFFF
+    want = (epoch << 32) | rows
+    if want > seen:
+        slots = sig.to(tl.pointer_type(tl.int64))
+        prog = slots + PROGRESS * W + s
+        rdy = slots + READY * W + s
+        ready_want = (word >> 1) & 0x7FFFFFFF
+        p = tl.load(prog, volatile=True)
+        r = tl.load(rdy, volatile=True)
+        while (p < want) & (r < ready_want):
+            _backoff(PAUSE)
+            p = tl.load(prog, volatile=True)
+            r = tl.load(rdy, volatile=True)
+        never = tl.full((), -1, tl.int64)
+        if p >= want:  # acquire the value that passed (a later, larger one is as good)
+            seen = tl.atomic_cas(prog, never, never, sem="acquire", scope="sys")
+        else:  # the whole call arrived
+            tl.atomic_cas(rdy, never, never, sem="acquire", scope="sys")
+            seen = (epoch << 32) | 0xFFFFFFFF
+        tl.debug_barrier()
+    return seen
+
+
+@triton.jit
+def _chunk_done(done, j):
+    """This program finished its blocks of chunk ``j``: its own word of ``done`` says so, with
+    a system-scope release of its stores (its own address: the programs do not queue on one
+    counter)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(done.to(tl.pointer_type(tl.int32)) + tl.program_id(0), j + 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _report_progress(done, nchunks, prog_rows, sig_peers, p0, p1, p2, p3, p4, p5, p6, p7, W: tl.constexpr,
+                     ME: tl.constexpr, GP: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
+    """The reporter program (the last of the grid): whenever every copying program has
+    finished chunk ``k - 1`` (the least of their ``done`` words is ``k``), acquire their stores
+    and raise each destination's ``PROGRESS`` slot to the rows complete after chunk ``k - 1``;
+    at the end put the words back to 0 for the next launch (stream order)."""
+    G = tl.num_programs(0) - 1
+    lanes = tl.arange(0, GP)
+    words = done.to(tl.pointer_type(tl.int32)) + lanes
+    live = lanes < G
+    reported = 0
+    while reported < nchunks:
+        k = tl.min(tl.load(words, mask=live, other=2**30, volatile=True), 0)
+        if k > reported:
+            tl.atomic_add(words, 0, mask=live, sem="acquire", scope="sys")
+            tl.debug_barrier()
+            table = prog_rows.to(tl.pointer_type(tl.int64)) + (k - 1) * W
+            for c in tl.static_range(W):
+                rows = tl.load(table + c)
+                if rows >= 0:
+                    epoch = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
+                    peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
+                    tl.atomic_max(peer + PROGRESS * W + ME, (epoch << 32) | rows, sem="release", scope="sys")
+            reported = k
+        else:
+            _backoff(PAUSE)
+    tl.store(words, 0, mask=live)
+
+
+@triton.jit
+def _progress_wanted(prog_rows, maps, W: tl.constexpr, DIRECT: tl.constexpr, MAPW: tl.constexpr):
+    """Whether some destination reads its rows from the region (a destination in direct mode
+    has them in its output when the send kernel ends: no progress to report to it)."""
+    wanted = 0
+    for c in tl.static_range(W):
+        if tl.load(prog_rows.to(tl.pointer_type(tl.int64)) + c) >= 0:
+            if DIRECT:
+                if tl.load(maps.to(tl.pointer_type(tl.int64)) + c * MAPW) == 0:
+                    wanted = 1
+            else:
+                wanted = 1
+    return wanted
+
+
 # ---- copy ----------------------------------------------------------------------------------
 
 
@@ -173,6 +288,23 @@ def _put_peer(
         tl.store(anchor.to(tl.pointer_type(vals.dtype)) + off + offs, vals, mask=mask)
 
 
+@triton.jit
+def _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst, task_split,
+                task_within, maps, alloc_base, offs, DT: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
+                DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr):  # fmt: skip
+    """Block ``b``: load its words from ``src`` once, store them to every destination."""
+    t = tl.load(blk_task + b).to(tl.int64)
+    start = tl.load(blk_start + b)
+    n = tl.load(task_len + t)
+    mask = offs < n - start
+    s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
+    vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
+    _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
+    for c in tl.static_range(W):
+        _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
+                  vals, mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=_PEER_ARGS)
 def _copy_kernel(
     src,
@@ -200,7 +332,12 @@ def _copy_kernel(
     sig,
     sig_peers,
     counter,
+    prog_rows,
+    prog_cnt,
+    wait_src,
+    wait_rows,
     nblocks,
+    chunk_blocks,
     DT: tl.constexpr,
     W: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -210,30 +347,64 @@ def _copy_kernel(
     MAPW: tl.constexpr,
     WB: tl.constexpr,
     ME: tl.constexpr,
+    GP: tl.constexpr,
     HS_ARM: tl.constexpr,
     HS_READY: tl.constexpr,
     HS_WAIT_END: tl.constexpr,
+    PROG: tl.constexpr,
+    AWAIT: tl.constexpr,
+    PAUSE: tl.constexpr,
 ):
     # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
     # peer's region area, NVLink-mapped) are addresses: symmetric-heap and peer memory is
     # addressed through plain integers, as in the verified peer-store recipe.
     # Program p copies blocks p, p + grid, ...: a grid smaller than the table
     # (NativeConfig.max_programs) leaves the other SMs to a kernel running beside the copy.
+    # PROG (a send): one more program, the reporter; the others take the same stride inside
+    # chunks of ``chunk_blocks`` blocks and mark each chunk done (``prog_cnt``: one int32 per
+    # copying program, zero between launches; GP: a power of two >= their number). AWAIT (a receive copy): each block first waits for the rows
+    # it reads (``wait_src`` / ``wait_rows`` per block).
     _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM)
     offs = tl.arange(0, BLOCK)
-    b = tl.program_id(0)
-    while b < nblocks:
-        t = tl.load(blk_task + b).to(tl.int64)
-        start = tl.load(blk_start + b)
-        n = tl.load(task_len + t)
-        mask = offs < n - start
-        s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
-        vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
-        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
-        for c in tl.static_range(W):
-            _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
-                      vals, mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
-        b += tl.num_programs(0)
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    if PROG:
+        # programs 0..G-1 copy, chunk by chunk; program G reports (see _report_progress)
+        report = _progress_wanted(prog_rows, maps, W, DIRECT, MAPW)
+        G = G - 1
+        if pid == G:
+            if report != 0:
+                _report_progress(prog_cnt, tl.cdiv(nblocks, chunk_blocks), prog_rows, sig_peers,
+                                 p0, p1, p2, p3, p4, p5, p6, p7, W, ME, GP, PAUSE)  # fmt: skip
+        else:
+            j = 0
+            first = 0  # the chunk's first block
+            while first < nblocks:
+                b = first + pid
+                end = tl.minimum(first + chunk_blocks, nblocks)
+                while b < end:
+                    _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
+                                task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB)  # fmt: skip
+                    b += G
+                if report != 0:
+                    _chunk_done(prog_cnt, j)
+                j += 1
+                first += chunk_blocks
+    else:
+        b = pid
+        last_src = -1
+        seen = tl.full((), -1, tl.int64)
+        while b < nblocks:
+            if AWAIT:
+                s = tl.load(wait_src + b)
+                if s != last_src:
+                    seen = tl.full((), -1, tl.int64)
+                    last_src = s
+                seen = _await_rows(sig, s, tl.load(wait_rows + b), _word_at(s, p0, p1, p2, p3, p4, p5, p6, p7),
+                                   seen, W, PAUSE)  # fmt: skip
+            _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
+                        task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB)  # fmt: skip
+            b += G
     if FENCE and not (HS_READY or HS_WAIT_END):  # else the end handshake releases
         # Make this program's peer stores visible system-wide before the kernel can complete
         # (and hence before the stream-ordered NVSHMEM ready signal): CTA barrier, then one
@@ -249,7 +420,15 @@ def _handshake_flags(sync: int) -> dict[str, int]:
         HS_ARM=int(bool(sync & proto.ARM_AND_WAIT)),
         HS_READY=int(bool(sync & proto.READY_END)),
         HS_WAIT_END=int(bool(sync & proto.WAIT_READY_END)),
+        PROG=int(bool(sync & proto.SIGNAL_PROGRESS)),
+        AWAIT=int(bool(sync & proto.AWAIT_ROWS)),
+        PAUSE=_pause(),
     )
+
+
+def _pause() -> int:
+    """Nanoseconds between the polls of a waiting program (0 under the interpreter)."""
+    return _POLL_PAUSE_NS if _copy.direct else 0
 
 
 def _spec(x) -> tuple:
@@ -345,11 +524,20 @@ class CopyLaunch:
             per block.
         handshake: where the kernel signals and waits when a call asks for it (see
             :mod:`magi_comm.backends._native_protocol`); None: never.
+        progress: ``(rows, done, chunk_blocks)`` for a send that reports its progress
+            (``SIGNAL_PROGRESS``, at most ``MAX_REPORTING_PROGRAMS`` programs): ``rows`` the
+            device table of :func:`~magi_comm.backends._native_layout.send_progress`, ``done``
+            the address of local int32 words (one per program, zero between launches).
+        waits: ``(source, rows)`` device tables of
+            :func:`~magi_comm.backends._native_layout.recv_waits` for a receive copy that
+            waits for its rows (``AWAIT_ROWS``).
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
                  num_warps: int = 8, fence: int = 0, direct: tuple[int, int, int] | None = None,
-                 max_programs: int = 0, handshake: Handshake | None = None) -> None:  # fmt: skip
+                 max_programs: int = 0, handshake: Handshake | None = None,
+                 progress: tuple[torch.Tensor, int, int] | None = None,
+                 waits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
@@ -359,6 +547,13 @@ class CopyLaunch:
         self.grid = (programs, 1, 1)
         # A handshake needs a program even without blocks (it still signals and waits).
         self.sync_grid = (max(programs, 1), 1, 1)
+        # Reporting progress takes one more program (the reporter) and one done word per copier.
+        if progress and max(programs, 1) > MAX_REPORTING_PROGRAMS:
+            raise ValueError(
+                f"progress reports need at most {MAX_REPORTING_PROGRAMS} programs, got {programs} "
+                f"(set max_programs)"
+            )
+        self.report_grid = (max(programs, 1) + 1, 1, 1)
         # never 0: every address argument keeps the same (64-bit, aligned) specialization
         self.filler = table.blk_task.data_ptr() if table.num_blocks else (handshake.sig if handshake else 0)
         # Built on the host and moved without blocking it (the caller's current stream orders
@@ -385,8 +580,16 @@ class CopyLaunch:
             hs.sig if hs else self.filler,
             hs.sig_peers if hs else self.filler,
             hs.counter if hs else self.filler,
+            progress[0].data_ptr() if progress and progress[0].numel() else self.filler,  # never 0
+            progress[1] if progress else self.filler,
+            waits[0] if waits else self.filler,
+            waits[1] if waits else self.filler,
             table.num_blocks,
+            progress[2] if progress else 1,
         )
+        if (progress or waits) and hs is None:
+            raise ValueError("progress and waits need a handshake (the signal slots)")
+        self.progress, self.waits = progress, waits
         self.handshake = hs
         self.base_consts = dict(
             DT=_TL[dtype],
@@ -398,6 +601,7 @@ class CopyLaunch:
             MAPW=direct[2] if direct else 1,
             WB=torch.empty(0, dtype=dtype).element_size(),
             ME=hs.rank if hs else 0,
+            GP=triton.next_power_of_2(max(programs, 1)) if progress else 1,
         )
         self.num_warps = num_warps
         self._modes: dict[int, tuple[dict, int]] = {}
@@ -427,7 +631,14 @@ class CopyLaunch:
         at most ``PEER_WORDS``); 0: a plain copy."""
         if sync and self.handshake is None:
             raise ValueError("this launch was built without a handshake")
-        grid = self.sync_grid if sync else self.grid
+        if (sync & proto.SIGNAL_PROGRESS and self.progress is None) or (
+            sync & proto.AWAIT_ROWS and self.waits is None
+        ):
+            raise ValueError("this launch was built without progress / wait tables")
+        handshake_steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
+        grid = self.sync_grid if sync & handshake_steps else self.grid
+        if sync & proto.SIGNAL_PROGRESS:
+            grid = self.report_grid
         if grid[0] == 0:
             return
         # 0 (an empty tensor: nothing is read or written) would turn the address 32-bit
@@ -438,7 +649,7 @@ class CopyLaunch:
         _copy(grid, (src, sink, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PEER_ARGS)
 def _reduce_kernel(
     out,
     inp,
@@ -446,6 +657,17 @@ def _reduce_kernel(
     term_row,
     term_self,
     nterms,
+    need,
+    order,
+    sig,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
     n_rows,
     E,
     TERMS: tl.constexpr,
@@ -454,38 +676,73 @@ def _reduce_kernel(
     ACC: tl.constexpr,
     AVG: tl.constexpr,
     ACC_DT: tl.constexpr,
+    W: tl.constexpr,
+    AWAIT: tl.constexpr,
+    PAUSE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    rmask = rows < n_rows
-    m = rmask[:, None] & (cols < E)[None, :]
-    rows64 = rows.to(tl.int64)
-    offs = rows64[:, None] * E + cols[None, :]
-    if ACC:
-        acc = tl.load(out + offs, mask=m, other=0).to(ACC_DT)
-    else:
-        acc = tl.zeros((BR, BC), dtype=ACC_DT)
-    nt = tl.load(nterms + rows64, mask=rmask, other=0)
-    for k in tl.static_range(TERMS):
-        tr = tl.load(term_row + rows64 * TERMS + k, mask=rmask, other=0)
-        ts = tl.load(term_self + rows64 * TERMS + k, mask=rmask, other=0) != 0
-        has = rmask & (nt > k)
-        toff = tr[:, None] * E + cols[None, :]
-        mk = m & has[:, None]
-        vs = tl.load(inp + toff, mask=mk & ts[:, None], other=0)
-        vr = tl.load(region.to(tl.pointer_type(out.dtype.element_ty)) + toff, mask=mk & ~ts[:, None], other=0)
-        v = tl.where(ts[:, None], vs, vr).to(ACC_DT)
-        acc = tl.where(has[:, None], acc + v, acc)
-    if AVG:
-        cnt = tl.maximum(nt + ACC, 1).to(ACC_DT)
-        if tl.float32 == ACC_DT:
-            acc = tl.math.div_rn(acc, cnt[:, None])
+    # Tiles of BR rows x BC columns; program p takes tiles p, p + grid, ... (one tile each
+    # without AWAIT). AWAIT: before a tile, wait for the peers' rows it reads (``need``:
+    # int64 (row tiles, W), leading region rows per source), as the receive copy does; row
+    # tiles are taken in the order their rows arrive (``order``: int32 (row tiles,)).
+    ncb = tl.cdiv(E, BC)
+    ntiles = tl.cdiv(n_rows, BR) * ncb
+    tile = tl.program_id(0)
+    seen = tl.full((8,), -1, tl.int64)  # per source, the PROGRESS value acquired so far
+    lane = tl.arange(0, 8)
+    while tile < ntiles:
+        rt = tile // ncb
+        if AWAIT:
+            rt = tl.load(order + rt)
+            for c in tl.static_range(W):
+                rows_c = tl.load(need + rt * W + c)
+                if rows_c > 0:
+                    seen_c = tl.max(tl.where(lane == c, seen, -1), 0)
+                    got = _await_rows(
+                        sig, c, rows_c, _word(c, p0, p1, p2, p3, p4, p5, p6, p7), seen_c, W, PAUSE
+                    )
+                    seen = tl.where(lane == c, got, seen)
+        rows = rt * BR + tl.arange(0, BR)
+        cols = (tile % ncb) * BC + tl.arange(0, BC)
+        rmask = rows < n_rows
+        m = rmask[:, None] & (cols < E)[None, :]
+        rows64 = rows.to(tl.int64)
+        offs = rows64[:, None] * E + cols[None, :]
+        if ACC:
+            acc = tl.load(out + offs, mask=m, other=0).to(ACC_DT)
         else:
-            acc = acc / cnt[:, None]
-    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+            acc = tl.zeros((BR, BC), dtype=ACC_DT)
+        nt = tl.load(nterms + rows64, mask=rmask, other=0)
+        for k in tl.static_range(TERMS):
+            tr = tl.load(term_row + rows64 * TERMS + k, mask=rmask, other=0)
+            ts = tl.load(term_self + rows64 * TERMS + k, mask=rmask, other=0) != 0
+            has = rmask & (nt > k)
+            toff = tr[:, None] * E + cols[None, :]
+            mk = m & has[:, None]
+            vs = tl.load(inp + toff, mask=mk & ts[:, None], other=0)
+            vr = tl.load(
+                region.to(tl.pointer_type(out.dtype.element_ty)) + toff, mask=mk & ~ts[:, None], other=0
+            )
+            v = tl.where(ts[:, None], vs, vr).to(ACC_DT)
+            acc = tl.where(has[:, None], acc + v, acc)
+        if AVG:
+            cnt = tl.maximum(nt + ACC, 1).to(ACC_DT)
+            if tl.float32 == ACC_DT:
+                acc = tl.math.div_rn(acc, cnt[:, None])
+            else:
+                acc = acc / cnt[:, None]
+        tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+        tile += tl.num_programs(0)
 
 
 _reduce = _Compiled(_reduce_kernel)
+
+
+def reduce_tile_rows(E: int, waiting: bool = False) -> int:
+    """Rows per tile of the fused reduction for rows of ``E`` elements (the tables of
+    :func:`~magi_comm.backends._native_layout.reduce_waits` are cut the same way). A waiting
+    reduction's programs stride over the tiles: larger tiles keep more loads in flight."""
+    bc = min(triton.next_power_of_2(max(E, 1)), 1024)
+    return max(1, min(64, (16384 if waiting else 4096) // bc))
 
 
 def launch_reduce(
@@ -499,6 +756,7 @@ def launch_reduce(
     acc_reduce: bool,
     average: bool,
     stream: torch.cuda.Stream | None = None,
+    waits: tuple[torch.Tensor, int, tuple[int, ...], int] | None = None,
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -510,15 +768,31 @@ def launch_reduce(
             peer terms).
         term_row / term_self / nterms: from
             :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
+        waits: ``(need, order, sig, words, max_programs)`` to run beside the transfer
+            (``AWAIT_ROWS``): ``need`` and ``order`` the device tables of
+            :func:`~magi_comm.backends._native_layout.reduce_waits` (for
+            :func:`reduce_tile_rows` ``(E, True)`` rows per tile) and ``arrival_order``, ``sig`` the address of the local
+            signal array, ``words`` one packed word per peer (epoch and ``READY`` count of each
+            source), ``max_programs`` the grid (its programs stride over the tiles). None: the
+            peers' rows are already in place.
     """
     n_rows, E = out.shape[0], out.shape[1]
     if n_rows == 0 or E == 0:
         return
     region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
     bc = min(triton.next_power_of_2(E), 1024)
-    br = max(1, min(64, 4096 // bc))
+    br = reduce_tile_rows(E, waits is not None)
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
-    grid = (triton.cdiv(n_rows, br), triton.cdiv(E, bc), 1)
-    args = (out, inp, region, term_row, term_self, nterms, n_rows, E)
-    consts = dict(TERMS=term_row.shape[1], BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt)
+    W = term_row.shape[1]
+    ntiles = triton.cdiv(n_rows, br) * triton.cdiv(E, bc)
+    if waits is None:
+        grid = (ntiles, 1, 1)
+        need, order, sig, words = nterms, nterms, out.data_ptr(), ()
+    else:
+        need, order, sig, words, cap = waits
+        grid = (min(ntiles, cap) if cap else ntiles, 1, 1)
+    peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
+    args = (out, inp, region, term_row, term_self, nterms, need, order, sig, *peer_words, n_rows, E)
+    consts = dict(TERMS=W, BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
+                  W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause())  # fmt: skip
     _reduce(grid, args, consts, 8, stream)

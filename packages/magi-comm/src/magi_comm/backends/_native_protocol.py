@@ -23,6 +23,18 @@ wait kernels around the copy, the copy kernels do the steps themselves:
   waits, not every program of the next kernel: waiting programs hold SM slots that an
   attention kernel running beside the transfer could use.
 
+Progress (overlap of the receive step with the transfer): the send kernel works through its
+blocks in *chunks* (every program takes its share of chunk ``j`` before any block of chunk
+``j + 1``); the last program to finish chunk ``j`` raises slot ``(PROGRESS, rank)`` on each
+destination to :func:`progress_value` ``(epoch, rows)``, where ``rows`` is how many leading rows
+of that destination's region are complete (``SIGNAL_PROGRESS``). The receive copy / fused
+reduction then runs beside the send kernel, on a second stream, and each of its programs
+waits, before reading region rows of source ``s``, until that slot covers them or until
+``s``'s ``READY`` count is reached (``AWAIT_ROWS``): a sender that signals no progress (host
+path, another configuration) still releases the rows through ``READY``. The ``epoch`` is the
+pair's call count (the ``ARM`` count: the destination's arms of that source), so a value from
+an earlier call never passes, and the slot only grows (atomic max): no reset.
+
 Per call the kernel gets one packed int64 per peer (:func:`pack_peer`): the waits change with
 every call, and Triton must not specialize on them (the tag bit keeps them 64-bit).
 """
@@ -35,24 +47,32 @@ __all__ = [
     "ACK",
     "ARM",
     "ARM_AND_WAIT",
+    "AWAIT_ROWS",
+    "MAX_REPORTING_PROGRAMS",
     "NUM_SIGNALS",
     "PEER_WORDS",
+    "PROGRESS",
     "READY",
     "READY_END",
+    "SIGNAL_PROGRESS",
     "WAIT_READY_END",
     "Handshake",
     "pack_peer",
+    "progress_value",
     "unpack_peer",
 ]
 
-READY, ACK, ARM = 0, 1, 2
-NUM_SIGNALS = 3
+READY, ACK, ARM, PROGRESS = 0, 1, 2, 3
+NUM_SIGNALS = 4
 
 ARM_AND_WAIT = 1
 READY_END = 2
 WAIT_READY_END = 4
+SIGNAL_PROGRESS = 8  # send kernel: raise the destinations' PROGRESS slots chunk by chunk
+AWAIT_ROWS = 16  # receive copy / fused reduction: wait for each source's rows before reading them
 
 PEER_WORDS = 8  # packed per-peer words a kernel takes (MAX_PEERS)
+MAX_REPORTING_PROGRAMS = 1024  # copying programs of a send launch that reports its progress
 _TAG = 1 << 62
 _ARM_BITS = 30  # arm_wait < 2**30, ready_wait < 2**31: a billion calls per pair
 
@@ -87,6 +107,14 @@ def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False) -> 
 def unpack_peer(word: int) -> tuple[int, int, bool]:
     """Inverse of :func:`pack_peer`: ``(arm_wait, ready_wait, arm_now)``."""
     return (word >> 32) & ((1 << _ARM_BITS) - 1), (word >> 1) & ((1 << 31) - 1), bool(word & 1)
+
+
+def progress_value(epoch: int, rows: int) -> int:
+    """A ``PROGRESS`` slot value: call ``epoch`` of the pair has its first ``rows`` region rows
+    in place (ordered by epoch first, so the slot only ever grows)."""
+    if not (0 <= epoch < 1 << _ARM_BITS and 0 <= rows < 1 << 32):
+        raise ValueError(f"progress out of range: epoch={epoch}, rows={rows}")
+    return epoch << 32 | rows
 
 
 IDLE_WORD = pack_peer()  # a peer the launch neither waits for nor signals

@@ -93,12 +93,16 @@ from ._native_layout import (
     SINK_NONE,
     SINK_SCATTER,
     TaskTable,
+    arrival_order,
     build_reduce_terms,
     build_schedule,
     bytes_needed,
     field_offsets,
     grown_capacity,
+    recv_waits,
+    reduce_waits,
     region_rows,
+    send_progress,
     to_blocks,
     word_size,
 )
@@ -106,9 +110,12 @@ from ._native_protocol import (
     ACK,
     ARM,
     ARM_AND_WAIT,
+    AWAIT_ROWS,
+    MAX_REPORTING_PROGRAMS,
     NUM_SIGNALS,
     READY,
     READY_END,
+    SIGNAL_PROGRESS,
     WAIT_READY_END,
     Handshake,
     pack_peer,
@@ -119,6 +126,7 @@ __all__ = [
     "ENV_DEVICE_HANDSHAKE",
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
+    "ENV_OVERLAP_CHUNK_KB",
     "ENV_STREAM_PRIORITY",
     "NativeBackend",
     "NativeConfig",
@@ -132,10 +140,14 @@ ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
 ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
 ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
 ENV_DEVICE_HANDSHAKE = "MAGI_COMM_NATIVE_DEVICE_HANDSHAKE"
+ENV_OVERLAP_CHUNK_KB = "MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB"
 _MIB = 1 << 20
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _ALIGN_OUT = 256  # bytes; symmetric outputs are padded to this
 _MAPS_PER_PLAN = 4  # direct-mode maps kept per plan (distinct sinks cast into with it)
+_MAX_CHUNKS = 4096  # progress chunks of one send launch
+_CONSUMER_PROGRAMS = 128  # grid of a waiting receive step when max_programs is 0 (unbounded)
+OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,18 @@ class NativeConfig:
             NVSHMEM's on-stream signal and wait operations, each a kernel launch of its own
             (``$MAGI_COMM_NATIVE_DEVICE_HANDSHAKE=0`` turns it off). A cast into a symmetric
             output is then two launches per call (five on the host path).
+        overlap_chunk_bytes: with the kernel handshake, the receive copy of a cast into a
+            plain output runs beside the send kernel, on a second stream, and takes the peers'
+            rows as they arrive: the send kernel reports its progress after every chunk of
+            this many bytes of blocks, and the receiving programs wait for the rows they read
+            (``$MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB``; 0: the receive copy follows the whole
+            transfer, in stream order). Only pairs that move at least ``OVERLAP_MIN_CHUNKS``
+            chunks report progress (each report costs every sending program a system-scope
+            fence; below that the overlap measured slower, docs/perf.md); the receiver waits
+            for the other pairs' rows through their ready signal.
+        overlap_reduce: the fused reduction runs beside the send kernel the same way (off: on
+            2x H200 it measured slower than the reduction after the transfer, docs/perf.md:
+            its programs, bounded in number because they wait, reduce at a lower rate).
     """
 
     buffer_bytes: int = 256 * _MIB
@@ -187,10 +211,16 @@ class NativeConfig:
     stream_priority: int = -1
     max_programs: int = 128
     device_handshake: bool = True
+    overlap_chunk_bytes: int = 8 * _MIB
+    overlap_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.max_programs < 0:
             raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {self.max_programs}")
+        if self.overlap_chunk_bytes < 0:
+            raise ValueError(
+                f"overlap_chunk_bytes must be >= 0 (0: no overlap), got {self.overlap_chunk_bytes}"
+            )
 
     @staticmethod
     def from_env() -> NativeConfig:
@@ -199,11 +229,16 @@ class NativeConfig:
             field: os.environ.get(env, "1").strip().lower() not in off
             for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
         }
-        for field, env in (("stream_priority", ENV_STREAM_PRIORITY), ("max_programs", ENV_MAX_PROGRAMS)):
+        scale = {"overlap_chunk_bytes": 1024}
+        for field, env in (
+            ("stream_priority", ENV_STREAM_PRIORITY),
+            ("max_programs", ENV_MAX_PROGRAMS),
+            ("overlap_chunk_bytes", ENV_OVERLAP_CHUNK_KB),
+        ):
             value = os.environ.get(env, "").strip()
             if value:
                 try:
-                    kw[field] = int(value)
+                    kw[field] = int(value) * scale.get(field, 1)
                 except ValueError:
                     raise ValueError(f"${env} must be an integer, got {value!r}") from None
         mb = os.environ.get(ENV_BUFFER_MB)
@@ -217,7 +252,8 @@ class NativeConfig:
         try:
             return NativeConfig(**kw)
         except ValueError as e:  # name the variable the bad value came from
-            raise ValueError(f"${ENV_MAX_PROGRAMS}={kw.get('max_programs')!r}: {e}") from None
+            env = ENV_MAX_PROGRAMS if "max_programs" in str(e) else ENV_OVERLAP_CHUNK_KB
+            raise ValueError(f"${env}: {e}") from None
 
     def aligned_buffer_bytes(self) -> int:
         return max(_MIB, (self.buffer_bytes + _MIB - 1) // _MIB * _MIB)
@@ -353,6 +389,7 @@ class _GroupState:
         self.sent = [0] * W  # transfers this rank made to each peer
         self.recvd = [0] * W  # transfers this rank consumed from each peer (READY counts)
         self.arms_seen = [0] * W  # calls in which this rank waited for each destination's arm
+        self.arms_made = [0] * W  # calls in which this rank armed each source (the pair's epoch)
         self.acks_seen = [0] * W  # between-round acknowledgements awaited from each destination
         self.map_sent = [-1] * W  # token of the map this rank last put to each source (0: header 0)
         self.map_tokens = 0
@@ -371,6 +408,12 @@ class _GroupState:
             self.sig.data_ptr(), self.sig_peers.data_ptr(), self.fence_addr + 32, self.rank
         )
         self.arm_launch = None  # a launch without rows that only arms and waits (built on first use)
+        # Overlap: the send kernel's done words (one per program), and the stream the receive
+        # step runs on beside it (events reused: a wait takes the event's state when it is enqueued).
+        self.progress_cnt = torch.zeros(MAX_REPORTING_PROGRAMS, dtype=torch.int32, device=self.device)
+        self.side = torch.cuda.Stream(self.device, priority=config.stream_priority)
+        self.armed_event = torch.cuda.Event()
+        self.consumed_event = torch.cuda.Event()
         # Direct mode: row d of the map area is where destination d puts its map for our sends;
         # outputs[a] is symmetric output a, output_bases[a, c] its address as peer c's memory.
         self.map_width = 1 + config.map_entries
@@ -750,13 +793,19 @@ class NativeBackend:
                     dt = _WORD_DTYPES[w]
                     vec = 16 // w if rb % 16 == 0 else 1
                     launches = []
+                    # one round: the receive step may run beside the transfer (overlap)
+                    overlap = len(sched.rounds) == 1 and len(rbs) == 1 and self._overlap_on(sink_kind)
+                    overlap = overlap and 0 < cap <= MAX_REPORTING_PROGRAMS
                     for r in sched.rounds:
-                        send = to_blocks(r.send, rb // w, block_words).to(st.device, _to_device)
-                        recv = to_blocks(r.recv, rb // w, block_words).to(st.device, _to_device)
+                        send = to_blocks(r.send, rb // w, block_words)
+                        recv = to_blocks(r.recv, rb // w, block_words)
+                        progress = waits = None
+                        if overlap:
+                            progress, waits = self._overlap_tables(plan, send, recv, sched.region_rows, rb, w)
                         launches.append(
                             (
                                 make(
-                                    send,
+                                    send.to(st.device, _to_device),
                                     peers,
                                     dt,
                                     vec=vec,
@@ -765,14 +814,18 @@ class NativeBackend:
                                     direct=direct,
                                     max_programs=cap,
                                     handshake=st.handshake,
+                                    progress=progress,
                                 ),
                                 make(
-                                    recv,
+                                    recv.to(st.device, _to_device),
                                     [None] * W,
                                     dt,
                                     vec=vec,
                                     num_warps=nw,
-                                    max_programs=cap,
+                                    # waiting programs must not fill the GPU (the send kernel needs SMs)
+                                    max_programs=(cap or _CONSUMER_PROGRAMS) if waits else cap,
+                                    handshake=st.handshake if waits else None,
+                                    waits=waits,
                                 ),
                             )
                         )
@@ -794,7 +847,7 @@ class NativeBackend:
         fields = [f for f in fields if f.row_bytes > 0]
         if not fields:
             if consume is not None:
-                consume()
+                consume(st.stream, None)
             return
         rbs = tuple(f.row_bytes for f in fields)
         ws = tuple(word_size(rb, f.src, f.sink) for f, rb in zip(fields, rbs))
@@ -813,6 +866,7 @@ class NativeBackend:
         stream = st.stream
         if rounds:  # arm every source first: a rank never waits before its own arms are out
             for s in rounds[0].recv_peers:
+                st.arms_made[s] += 1
                 st.arm(s, self._arm_header(s, sink_kind, maps))
         for k, rnd in enumerate(rounds):
             for d in rnd.send_peers:
@@ -830,7 +884,7 @@ class NativeBackend:
             for s in rnd.recv_peers:
                 st.wait(READY, s, st.recvd[s] + 1)
             if consume is not None:
-                consume()
+                consume(stream, None)
             elif maps is None:
                 for _src, sink, local, runs in prepared:
                     runs[k][1](local, sink, stream)
@@ -840,7 +894,7 @@ class NativeBackend:
                 if s in later:
                     st.signal(ACK, s)
         if consume is not None and not rounds:
-            consume()
+            consume(stream, None)
 
     def _arm_header(self, s: int, sink_kind: str, maps) -> tuple[int, int] | None:
         """What arming source ``s`` puts first: ``(address, nbytes)`` of this rank's map for it
@@ -858,12 +912,40 @@ class NativeBackend:
         st.map_sent[s] = header[2]
         return header[:2]
 
+    def _overlap_on(self, sink_kind: str) -> bool:
+        cfg = self.config
+        kinds = (SINK_SCATTER, SINK_NONE) if cfg.overlap_reduce else (SINK_SCATTER,)
+        return cfg.device_handshake and cfg.overlap_chunk_bytes > 0 and sink_kind in kinds
+
+    def _overlap_tables(self, plan, send, recv, R: int, rb: int, w: int):
+        """``(progress, waits)`` of a round's send and receive launches (see
+        :class:`CopyLaunch`): progress for the pairs that move at least
+        ``OVERLAP_MIN_CHUNKS`` chunks (None if none), waits when some source's pair does
+        (else None: the receive step follows the transfer)."""
+        st = self._require()
+        W, rank = self.world_size, self.rank
+        big = self.config.overlap_chunk_bytes * OVERLAP_MIN_CHUNKS
+        sends_big = [c != rank and plan.send_counts[c] * rb >= big for c in range(W)]
+        recvs_big = [s != rank and plan.recv_counts[s] * rb >= big for s in range(W)]
+        progress = waits = None
+        if any(sends_big):
+            chunk = max(1, self.config.overlap_chunk_bytes // (send.block_words * w))
+            chunk = max(chunk, -(-send.num_blocks // _MAX_CHUNKS))
+            rows = send_progress(send, rank, W, R, rb // w, chunk)
+            rows[:, [c for c in range(W) if not sends_big[c]]] = -1
+            progress = (_to_device(rows, st.device), st.progress_cnt.data_ptr(), chunk)
+        if any(recvs_big):
+            waits = tuple(_to_device(t, st.device) for t in recv_waits(recv, rank, W, R, rb // w))
+        return progress, waits
+
     def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps) -> None:
         """A call of one round and one field with the handshake inside the kernels: a
         one-program launch arms the sources and waits for the destinations' arms; the send
-        kernel signals the destinations ready and, in its last program, waits for the sources'
-        rows; the receive copy or the fused reduction follows in stream order (a cast into a
-        symmetric output has none). Same counts as the host path."""
+        kernel signals the destinations ready. The receive copy or the fused reduction (a
+        cast into a symmetric output has none) either follows in stream order, after the send
+        kernel's last program waited for the sources' rows, or, with overlap, runs beside the
+        send kernel on the side stream and waits for the rows as they arrive (the send kernel
+        reports its progress). Same counts as the host path."""
         st = self._require()
         W = self.world_size
         arm_wait, ready_wait, arm_now = [0] * W, [0] * W, [False] * W
@@ -873,6 +955,7 @@ class NativeBackend:
                 arm_now[s] = True
             else:  # the map must land before the arm: a put-with-signal ahead of the kernel
                 st.arm(s, header)
+            st.arms_made[s] += 1
             st.recvd[s] += 1
             ready_wait[s] = st.recvd[s]
         for d in rnd.send_peers:
@@ -896,11 +979,31 @@ class NativeBackend:
         st.arm_launch(0, 0, st.stream, sync=ARM_AND_WAIT, words=words)
         src, sink, local, runs = field
         send, recv = runs[0]
-        send(src, sink, st.stream, sync=READY_END | WAIT_READY_END, words=words)
+        receives = consume is not None or maps is None
+        progress = send.progress is not None
+        if not (receives and recv.waits is not None and rnd.recv_peers):
+            sync = READY_END | WAIT_READY_END | (SIGNAL_PROGRESS if progress else 0)
+            send(src, sink, st.stream, sync=sync, words=words)
+            if consume is not None:
+                consume(st.stream, None)
+            elif maps is None:
+                recv(local, sink, st.stream)
+            return
+        # Overlap: the receive step starts with the send kernel (after the arms: the sink and
+        # the caller's earlier work are ordered through st.stream) and reads each source's rows
+        # once they are reported in place; st.stream waits for it before the call ends.
+        sources = tuple(
+            pack_peer(st.arms_made[s], ready_wait[s]) if ready_wait[s] else pack_peer() for s in range(W)
+        )
+        st.armed_event.record(st.stream)
+        st.side.wait_event(st.armed_event)
+        send(src, sink, st.stream, sync=READY_END | (SIGNAL_PROGRESS if progress else 0), words=words)
         if consume is not None:
-            consume()
-        elif maps is None:
-            recv(local, sink, st.stream)
+            consume(st.side, sources)
+        else:
+            recv(local, sink, st.side, sync=AWAIT_ROWS, words=sources)
+        st.consumed_event.record(st.side)
+        st.stream.wait_event(st.consumed_event)
 
     def _direct_maps(self, plan: CastPlan, sink: torch.Tensor, rb: int):
         """Direct mode of a group_cast into ``sink`` (rows of ``rb`` bytes): ``(table, maps)``
@@ -946,12 +1049,19 @@ class NativeBackend:
             pos += 8 * len(row)
         return table, maps
 
-    def _terms(self, plan, R: int, device):
-        key = ("native-terms", str(device), R)
+    def _terms(self, plan, R: int, device, E: int):
+        """The fused reduction's tables on ``device`` for rows of ``E`` elements: term rows,
+        self flags, term counts (:func:`build_reduce_terms`) and the rows each tile waits for
+        (:func:`reduce_waits`) and the order its tiles take (:func:`arrival_order`)."""
+        tile = self._kernels.reduce_tile_rows(E, True)
+        key = ("native-terms", str(device), R, tile)
         terms = plan._on_device.get(key)
         if terms is None:
+            host = build_reduce_terms(plan, R)
+            need = reduce_waits(*host, self.rank, self.world_size, R, tile)
+            order = arrival_order(need, plan.recv_counts)
             with torch.cuda.stream(self._require().stream):  # ahead of the kernel reading them
-                terms = tuple(_to_device(t, device) for t in build_reduce_terms(plan, R))
+                terms = tuple(_to_device(t, device) for t in (*host, need, order))
             plan._on_device[key] = terms
         return terms
 
@@ -1037,9 +1147,18 @@ class NativeBackend:
             src = input.contiguous()
             out = output if output.is_contiguous() else output.contiguous()
             E = torch.Size(out.shape[1:]).numel()
-            term_row, term_self, nterms = self._terms(plan, R, out.device)
+            term_row, term_self, nterms, need, order = self._terms(plan, R, out.device, E)
 
-            def consume():
+            def consume(stream, words):
+                waits = None
+                if words is not None:  # beside the transfer: wait for the peers' rows
+                    waits = (
+                        need,
+                        order,
+                        st.sig.data_ptr(),
+                        words,
+                        self.config.max_programs or _CONSUMER_PROGRAMS,
+                    )
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
@@ -1049,7 +1168,8 @@ class NativeBackend:
                     nterms,
                     acc_reduce=acc_reduce,
                     average=reduce_op == "avg",
-                    stream=st.stream,
+                    stream=stream,
+                    waits=waits,
                 )
 
             self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume)
