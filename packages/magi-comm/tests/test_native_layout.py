@@ -29,6 +29,7 @@ from magi_comm.backends._native_layout import (
     TaskTable,
     _runs,
     apply_blocks,
+    arrival_order,
     build_reduce_terms,
     build_schedule,
     bytes_needed,
@@ -318,3 +319,12 @@ def test_progress_rejects_bad_chunks():
     with pytest.raises(ValueError, match="tile_rows"):
         z = torch.zeros((0, 2), dtype=torch.int64)
         reduce_waits(z, z.to(torch.int8), z[:, 0], 0, 2, 4, 0)
+
+
+def test_arrival_order_sorts_tiles_by_the_share_of_rows_they_need():
+    # two sources with 10 and 4 rows: a tile needing 5 of 10 (0.5) comes after one needing
+    # 1 of 4 (0.25) and before one needing 3 of 4 (0.75)
+    need = torch.tensor([[0, 5, 0], [0, 0, 3], [0, 1, 1], [0, 0, 0], [0, 10, 4], [0, 2, 0]])
+    order = arrival_order(need, [0, 10, 4])
+    assert order.dtype == torch.int32
+    assert order.tolist() == [3, 5, 2, 0, 1, 4]
