@@ -13,6 +13,9 @@ up to 8 addresses) and/or the local sink. Used for
 A send launch may also carry the backend's handshake (:mod:`magi_comm.backends._native_protocol`):
 program 0 arms the sources, every program waits for the destinations' arms before its first
 store, and the last program to finish signals the destinations and waits for the sources.
+With progress reports, a send launch copies chunk by chunk and one extra program reports
+each destination's complete rows; a receive copy (or the fused reduction) with waits runs
+beside it and makes each block (tile) wait for the rows it reads.
 
 Words are 1, 2, 4 or 8 bytes (:func:`magi_comm.backends._native_layout.word_size`); ``VEC`` is
 a divisibility hint (in words) for 16-byte vector accesses when every offset allows it.

@@ -43,6 +43,14 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
   may mix both paths on one pair (:mod:`magi_comm.backends._native_protocol`;
   ``NativeConfig.device_handshake``). Deadlock-free for the same reason, provided every kernel
   on the GPU beside the copy finishes on its own (waiting programs hold SM slots).
+* **Receive copy beside the transfer.** In such a call the receive copy of a cast into a plain
+  output (and, with ``NativeConfig.overlap_reduce``, the fused reduction) runs on a second
+  stream beside the send kernel: senders report, chunk by chunk, how many leading rows of the
+  receiver's region are in place (a ``PROGRESS`` slot per pair), and each receiving program
+  waits for the rows it reads, or for the source's ready signal (pairs too small to report,
+  senders on the host path). Its programs are bounded (``max_programs``), so the send kernel
+  always finds SMs; the group stream waits for the side stream before the call ends, hence
+  before the next call's arms.
 * **Direct mode (group_cast into a symmetric output).** When a cast's output lies in a tensor
   from :meth:`NativeBackend.empty_output` (symmetric heap, 16-byte aligned, at most
   ``map_entries`` splits per peer), the receiver's arm carries a map, put into row d of the
