@@ -11,6 +11,7 @@ Triton), the handshake variants, empty tables, word sizes and vector widths of t
 from __future__ import annotations
 
 import importlib.util
+import threading
 import types
 
 import pytest
@@ -37,8 +38,15 @@ class CompileOnly:
 
     def __init__(self) -> None:
         self.compiled: set = set()
+        # the fake world's ranks are threads; CPython 3.11's ast.parse (Triton parses the
+        # kernel's source) is not safe to run in several threads at once
+        self.lock = threading.Lock()
 
     def __call__(self, launcher, grid, args, consts, num_warps, stream, key=None) -> None:
+        with self.lock:
+            self._compile(launcher, args, consts, num_warps)
+
+    def _compile(self, launcher, args, consts, num_warps) -> None:
         fn = launcher.jit_fn
         free = set(fn.do_not_specialize)
         signature, constexprs, attrs = {}, {}, {}
