@@ -54,6 +54,10 @@ class FakeWorld:
         self.puts = 0
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
+        self.pulled_rows = 0  # reduction terms read from a source's input (pull)
+        self.published_maps = 0  # pull maps written by send launches (not header 0)
+        self.done_waits = 0  # DONE waits of fused reductions whose input may have been pulled
+        self.done_signals = 0  # DONE raised by fused reductions
         self.gathered: list = [None] * world
         self.placements: list[list] = [[] for _ in range(world)]
 
@@ -146,6 +150,22 @@ class FakeWorld:
             self.kernel_signals += 1
             self.progress_signals += 1
             self.cond.notify_all()
+
+    def done_signal(self, addr: int, value: int) -> None:
+        """The fused reduction's DONE (an atomic max; counted apart from the handshake's
+        signals: the host-handshake path runs it too)."""
+        with self.cond:
+            slot = _words_at(addr, 1, torch.int64)
+            slot[0] = max(int(slot[0]), value)
+            self.done_signals += 1
+            self.cond.notify_all()
+
+    def done_wait(self, addr: int, value: int) -> None:
+        slot = _words_at(addr, 1, torch.int64)
+        with self.cond:
+            self.done_waits += 1
+            if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
+                raise TimeoutError(f"PE {self.pe}: DONE wait for >= {value} timed out (deadlock)")
 
     def kernel_wait_rows(self, progress: int, want: int, ready: int, ready_want: int) -> None:
         """Wait until the slot at ``progress`` reaches ``want`` or the one at ``ready`` reaches
@@ -267,13 +287,15 @@ class CopyLaunch:
         handshake=None,
         progress=None,
         waits=None,
+        publish=None,
         world=None,
     ):
         assert max_programs >= 0
-        assert (progress is None and waits is None) or handshake is not None
+        assert (progress is None and waits is None and publish is None) or handshake is not None
+        assert publish is None or direct is None
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.max_programs, self.handshake = max_programs, handshake
-        self.progress, self.waits = progress, waits
+        self.progress, self.waits, self.publish = progress, waits, publish
         self.world = world
         with world.cond:
             world.copy_program_caps.add(max_programs)
@@ -303,13 +325,21 @@ class CopyLaunch:
                 self.world.direct_writes += 1
         return out
 
-    def __call__(self, src, sink, stream=None, sync=0, words=()):
+    def __call__(self, src, sink, stream=None, sync=0, words=(), pub=0):
         W = len(self.peers)
         assert not sync or (self.handshake is not None and len(words) == W)
         assert not sync & proto.SIGNAL_PROGRESS or self.progress is not None
         assert not sync & proto.AWAIT_ROWS or self.waits is not None
+        assert bool(pub) == (self.publish is not None), "a publishing launch takes a table, others none"
         steps = handshake_steps(self.world, self.handshake, W, sync, words)
         next(steps)  # the start of the kernel
+        table = self.table
+        if self.publish is not None:  # program 0 writes the headers; pulled rows are not sent
+            pulled = self._publish(pub)
+            if pulled:
+                dst = table.task_dst.clone()
+                dst[:, pulled] = -1
+                self.table = dataclasses.replace(table, task_dst=dst)
         if sync & proto.AWAIT_ROWS:  # block by block, each after the rows it reads
             with self.world.cond:
                 self.world.overlapped += 1
@@ -330,7 +360,34 @@ class CopyLaunch:
                         self.world.kernel_max(addr, proto.progress_value(epoch, int(rows[j, c])))
         elif self.table.num_blocks:
             self._copy(src, sink)
+        self.table = table
         next(steps, None)  # the end
+
+    def _publish(self, pub) -> list[int]:
+        """The kernel's publish step: per destination of the table, its pull-map header (the
+        map where it accepts pulls and the table has one, else 0) into row ``rank`` of its
+        pull-map area. Returns the destinations whose rows are not sent."""
+        W = len(self.peers)
+        pub_peers, accepts, width = self.publish
+        offs = _words_at(pub, W + 1, torch.int64).tolist()
+        words = _words_at(pub, W + 1 + offs[W], torch.int64)[W + 1 :]
+        peer_rows = _words_at(pub_peers, W, torch.int64).tolist()
+        accept = _words_at(accepts, W, torch.int64).tolist()
+        pulled = []
+        for c in range(W):
+            lo, hi = offs[c], offs[c + 1]
+            if hi == lo:
+                continue
+            assert hi - lo <= width, "a published map is wider than a map row"
+            row = _words_at(peer_rows[c] + 8 * self.handshake.rank * width, hi - lo, torch.int64)
+            with self.world.cond:
+                if int(words[lo]) > 0 and accept[c] == proto.PULL_ACCEPT:
+                    row.copy_(words[lo:hi])
+                    pulled.append(c)
+                    self.world.published_maps += 1
+                else:
+                    row[0] = 0
+        return pulled
 
     def _progress_wanted(self, rows) -> bool:
         """The kernel's rule: report unless every destination is in direct mode."""
@@ -399,13 +456,25 @@ def await_rows(world, hs, W, s, rows, words) -> None:
 
 
 def launch_reduce(
-    out, inp, region, term_row, term_self, nterms, *, acc_reduce, average, stream=None, waits=None
+    out,
+    inp,
+    region,
+    term_row,
+    term_self,
+    nterms,
+    *,
+    acc_reduce,
+    average,
+    stream=None,
+    waits=None,
+    pull=None,
+    end=None,
 ):
+    world = _current_world["world"]
     if waits is not None:
         need, order, sig, words, cap = waits
         assert sorted(order.tolist()) == list(range(need.shape[0]))
         assert cap > 0, "a waiting reduction needs a bounded grid"
-        world = _current_world["world"]
         hs = proto.Handshake(sig, 0, 0, -1)
         with world.cond:
             world.overlapped += 1
@@ -423,7 +492,30 @@ def launch_reduce(
         reg = torch.frombuffer(raw, dtype=out.dtype).view(rows, E)
     else:
         reg = out[:0]
-    native_sim._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
+    if pull is not None and nbytes:
+        reg, pulled = native_sim.pulled_region(reg.clone(), term_row, term_self, nterms, pull)
+        with world.cond:
+            world.pulled_rows += pulled
+    if out.shape[0] and E:
+        native_sim._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
+    if end is not None:
+        _reduce_end(world, *end)
+
+
+def _reduce_end(world, hs, counter, accepts, done_words, wait_done) -> None:
+    """The fused reduction's DONE step (its last program)."""
+    W = len(done_words)
+    peers = _words_at(hs.sig_peers, W, torch.int64).tolist()
+    for c, word in enumerate(done_words):
+        src_epoch = proto.unpack_peer(word)[1]
+        if src_epoch:
+            world.done_signal(peers[c] + 8 * (proto.DONE * W + hs.rank), src_epoch)
+    if wait_done:
+        acc = _words_at(accepts, W, torch.int64)
+        for c, word in enumerate(done_words):
+            dst_epoch = proto.unpack_peer(word)[0]
+            if dst_epoch and int(acc[c]) == proto.PULL_ACCEPT:
+                world.done_wait(hs.sig + 8 * (proto.DONE * W + c), dst_epoch)
 
 
 def reduce_tile_rows(E: int, waiting: bool = False) -> int:

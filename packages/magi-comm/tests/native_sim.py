@@ -9,6 +9,7 @@ tensors standing in for the symmetric buffers. The copy is done either by the re
 
 from __future__ import annotations
 
+import ctypes
 import random
 import sys
 
@@ -17,13 +18,17 @@ import torch
 
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends._native_layout import (
+    PULL_SOURCE_SHIFT,
+    PULL_SPLIT_SHIFT,
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
     TaskTable,
     apply_blocks,
+    build_pull_terms,
     build_reduce_terms,
     build_schedule,
+    publish_table,
     region_index,
     to_blocks,
 )
@@ -231,6 +236,43 @@ def _fused_reference(out, inp, region, term_row, term_self, nterms, acc_reduce, 
     out.copy_(res.to(out.dtype))
 
 
+def _host_words(addr: int, n: int) -> torch.Tensor:
+    """``n`` int64 words of host memory at ``addr`` (no copy)."""
+    return torch.frombuffer((ctypes.c_char * (8 * n)).from_address(addr), dtype=torch.int64)
+
+
+def pulled_region(reg, term_row, term_self, nterms, pull) -> tuple[torch.Tensor, int]:
+    """The fused reduction's pull on the host: ``reg`` (the local regions, rows of ``E``
+    elements) with the rows of every source that published a map (its header in the
+    ``pull_maps`` row is > 0) replaced by the input row the kernel reads instead, at its
+    allocation's address (``alloc_base``) plus the split's offset plus the row inside it.
+    ``pull = (term_pull, pull_maps, alloc_base, map_width)`` as for ``launch_reduce``.
+    Returns the region and the number of terms read in place."""
+    term_pull, pull_maps, alloc_base, width = pull
+    W, E = term_row.shape[1], reg.shape[1]
+    rb = E * reg.element_size()
+    n = 0
+    for j in range(term_row.shape[0]):
+        for k in range(int(nterms[j])):
+            tp = int(term_pull[j, k])
+            if term_self[j, k] or tp < 0:
+                continue
+            c = tp >> PULL_SOURCE_SHIFT
+            split = (tp >> PULL_SPLIT_SHIFT) & ((1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1)
+            within = tp & ((1 << PULL_SPLIT_SHIFT) - 1)
+            row = _host_words(pull_maps + 8 * c * width, 2 + split)
+            if int(row[0]) <= 0:
+                continue
+            hdr = int(row[0])
+            base = int(_host_words(alloc_base, hdr * W)[(hdr - 1) * W + c])
+            at = base + int(row[1 + split]) + within * rb
+            reg[int(term_row[j, k])] = torch.frombuffer(
+                (ctypes.c_char * rb).from_address(at), dtype=reg.dtype
+            )
+            n += 1
+    return reg, n
+
+
 def _satisfied_signals(W: int, R: int, salt: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """A signal array where every source's rows are in place (by PROGRESS for some sources, by
     READY for the others) and the matching per-source words (the interpreter runs one program
@@ -248,10 +290,34 @@ def _satisfied_signals(W: int, R: int, salt: int) -> tuple[torch.Tensor, tuple[i
     return sig, tuple(proto.pack_peer(3, 5) for _ in range(W))
 
 
-def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3, waits=False) -> None:
+def _pull_setup(plans, inputs, pull_ranks, r: int, width: int, rb: int):
+    """What receiver ``r`` finds for sources in ``pull_ranks``: its pull-map area (int64
+    ``(W, width)``, row ``s`` as ``s``'s send launch publishes it) and the table of peers'
+    allocations (allocation ``s`` is source ``s``'s input, at its own address)."""
+    W = len(plans)
+    maps = torch.zeros((W, width), dtype=torch.int64)
+    bases = torch.zeros((W, W), dtype=torch.int64)
+    for s in pull_ranks:
+        if s == r or plans[s].send_counts[r] == 0:
+            continue
+        bases[s, s] = inputs[s].data_ptr()
+        table = publish_table(plans[s], width, (s, 0, rb))
+        lo, hi = int(table[r]), int(table[r + 1])
+        row = table[W + 1 + lo : W + 1 + hi]
+        maps[s, : row.numel()] = row
+    return maps, bases
+
+
+def check_fused_reduce(
+    lay, R, dtype, op, acc, use_triton=False, E=3, waits=False, pull_ranks=frozenset()
+) -> None:
     """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
     ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
-    signals already say they are in place; a grid of 2 programs strides over the tiles)."""
+    signals already say they are in place; a grid of 2 programs strides over the tiles).
+    ``pull_ranks``: sources whose rows are not sent: they publish a map of their input and
+    the receivers read the rows there (the regions keep their poison for those); with Triton
+    the reduction also runs its DONE step (raised on every source, awaited for a pulled
+    input: the slots already hold the epoch)."""
     W = lay.world
     plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
     scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
@@ -260,27 +326,48 @@ def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3, waits=Fals
     inputs = [lib.rank_data(case, r, p.num_input_rows, dtype) for r, p in enumerate(plans)]
     olds = [lib.rank_data(case, r, p.num_output_rows, dtype, salt=1) for r, p in enumerate(plans)]
     w = dtype.itemsize
-    regions = [torch.zeros((max(W - 1, 0) * R, E), dtype=dtype) for _ in range(W)]
+    regions = [torch.full((max(W - 1, 0) * R, E), 1e4, dtype=dtype) for _ in range(W)]  # poison
     for r in range(W):
-        if scheds[r].num_rounds:
+        if scheds[r].num_rounds and r not in pull_ranks:
             rnd = scheds[r].rounds[0]
             assert rnd.recv.num_tasks == 0 and not (rnd.send.dst_row[:, W] >= 0).any()
             bt = to_blocks(rnd.send, E, 4)
             peers = [None if d == r else regions[d].view(-1).view(_WORD[w]) for d in range(W)]
             apply_blocks(bt, inputs[r].view(-1).view(_WORD[w]), torch.empty(0, dtype=_WORD[w]), peers, W)
+    width = 1 + max([len(p.send_split_ids[d]) for p in plans for d in range(W)], default=0)
     for r in range(W):
         term_row, term_self, nterms = build_reduce_terms(plans[r], R)
+        maps, bases = _pull_setup(plans, inputs, pull_ranks, r, width, E * w)
+        pull = (
+            build_pull_terms(plans[r], term_row, term_self, nterms, R),
+            maps.data_ptr(),
+            bases.data_ptr(),
+            width,
+        )
         out = olds[r].clone()
         if use_triton:
+            from magi_comm.backends import _native_protocol as proto
             from magi_comm.backends._native_kernels import launch_reduce, reduce_tile_rows
             from magi_comm.backends._native_layout import arrival_order, reduce_waits
 
+            # the DONE step: every source gets epoch 3 + r; our destinations already signalled 5
+            sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
             wait_args = None
             if waits:
-                sig, words = _satisfied_signals(W, R, r)
+                sigs[r], words = _satisfied_signals(W, R, r)
                 need = reduce_waits(term_row, term_self, nterms, r, W, R, reduce_tile_rows(E, True))
                 order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
-                wait_args = (need, order, sig.data_ptr(), words, 2)
+                wait_args = (need, order, sigs[r].data_ptr(), words, 2)
+            sig_peers = torch.tensor([x.data_ptr() for x in sigs], dtype=torch.int64)
+            counter = torch.zeros(4, dtype=torch.int32)
+            hs = proto.Handshake(sigs[r].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), r)
+            accepts = torch.full((W,), proto.PULL_ACCEPT, dtype=torch.int64)
+            dst = [c != r and plans[r].send_counts[c] > 0 for c in range(W)]
+            src = [c != r and plans[r].recv_counts[c] > 0 for c in range(W)]
+            for c in range(W):
+                sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
+            done = tuple(proto.pack_done(5 if dst[c] else 0, 3 + r if src[c] else 0) for c in range(W))
+            end = (hs, counter.data_ptr(), accepts.data_ptr(), done, r in pull_ranks)
             launch_reduce(
                 out,
                 inputs[r],
@@ -291,11 +378,17 @@ def check_fused_reduce(lay, R, dtype, op, acc, use_triton=False, E=3, waits=Fals
                 acc_reduce=acc,
                 average=op == "avg",
                 waits=wait_args,
+                pull=pull,
+                end=end,
             )
+            for c in range(W):
+                assert int(sigs[c][proto.DONE * W + r]) == (3 + r if src[c] else 0), (r, c, sigs[c])
+            assert int(counter[0]) == 0, counter
         else:
-            _fused_reference(out, inputs[r], regions[r], term_row, term_self, nterms, acc, op == "avg")
+            reg, _ = pulled_region(regions[r].clone(), term_row, term_self, nterms, pull)
+            _fused_reference(out, inputs[r], reg, term_row, term_self, nterms, acc, op == "avg")
         exp = lib.reduce_oracle_sum_avg(lay, inputs, r, olds[r], op, acc)
-        assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay)
+        assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay, pull_ranks)
 
 
 def main_triton_reduce(n: int = 16) -> None:
@@ -305,8 +398,9 @@ def main_triton_reduce(n: int = 16) -> None:
         lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
         # not bfloat16: the interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest even)
         dtype = rng.choice([torch.float32, torch.float64, torch.float16])
+        pull = frozenset(r for r in range(world) if rng.random() < 0.5)
         check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
-                           waits=rng.random() < 0.5)  # fmt: skip
+                           E=rng.choice([3, 4, 8]), waits=rng.random() < 0.5, pull_ranks=pull)  # fmt: skip
     print("native_sim fused reduce triton ok", file=sys.stderr)
 
 
@@ -439,3 +533,45 @@ def main_triton_overlap() -> None:
     recv(region.data_ptr(), out.data_ptr(), sync=proto.AWAIT_ROWS, words=swords)
     assert torch.equal(out, torch.cat([region[:10], region[span : span + 6]])), out
     print("native_sim overlap triton ok", file=sys.stderr)
+
+
+def main_triton_publish() -> None:
+    """Entry point: a reduce's send launch publishes pull maps under TRITON_INTERPRET=1.
+
+    Rank 1 of 3 sends 8 words to peers 0 and 2. Peer 0 accepts pulls and the publish table
+    has a map for it: the map lands in row 1 of peer 0's pull-map area and its region stays
+    untouched; peer 2 does not accept: header 0 there, its rows arrive. A second launch with
+    the header-0 table (a plain input) sends to both and clears peer 0's header."""
+    from magi_comm.backends import _native_protocol as proto
+    from magi_comm.backends._native_kernels import CopyLaunch
+
+    W, me, n, width = 3, 1, 8, 4
+    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
+    sig_peers = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+    counter = torch.zeros(4, dtype=torch.int32)
+    hs = proto.Handshake(sigs[me].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
+    maps = [torch.full((W, width), 99, dtype=torch.int64) for _ in range(W)]
+    pub_peers = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+    accepts = torch.tensor([proto.PULL_ACCEPT, 0, 0], dtype=torch.int64)
+    task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0, -1]]))
+    regions = [torch.full((n,), -1, dtype=torch.int64) for _ in range(W)]
+    peers = [regions[0].data_ptr(), None, regions[2].data_ptr()]
+    src = torch.arange(100, 100 + n, dtype=torch.int64)
+    launch = CopyLaunch(to_blocks(task, 1, 4), peers, torch.int64, num_warps=1, handshake=hs, max_programs=2,
+                        fence=counter.data_ptr() + 8, publish=(pub_peers.data_ptr(), accepts.data_ptr(), width))  # fmt: skip
+    with_maps = torch.tensor([0, 3, 3, 5, 5, 1000, 2000, 5, 3000], dtype=torch.int64)
+    launch(src.data_ptr(), 0, pub=with_maps.data_ptr())
+    assert maps[0][me].tolist() == [5, 1000, 2000, 99], maps[0]  # peer 0 reads our input
+    assert bool((regions[0] == -1).all()), regions[0]  # so nothing was sent to it
+    assert int(maps[2][me, 0]) == 0 and torch.equal(regions[2], src), (maps[2], regions[2])
+    assert bool((maps[me] == 99).all()) and bool((maps[0][[0, 2]] == 99).all())  # only row `me`
+    zeros = torch.tensor([0, 1, 1, 2, 0, 0], dtype=torch.int64)
+    launch(src.data_ptr(), 0, pub=zeros.data_ptr())
+    assert int(maps[0][me, 0]) == 0 and torch.equal(regions[0], src), (maps[0], regions[0])
+    try:
+        launch(src.data_ptr(), 0)
+    except ValueError as e:
+        assert "publish table" in str(e), e
+    else:
+        raise AssertionError("a publishing launch ran without its table")
+    print("native_sim publish triton ok", file=sys.stderr)

@@ -91,9 +91,9 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
             super().__init__(*args, world=fw, **kwargs)
             self.real = kernels.CopyLaunch(*args, **kwargs)
 
-        def __call__(self, src, sink, stream=None, sync=0, words=()):
-            self.real(src, sink, stream, sync, words)
-            super().__call__(src, sink, stream, sync, words)
+        def __call__(self, src, sink, stream=None, sync=0, words=(), pub=0):
+            self.real(src, sink, stream, sync, words, pub)
+            super().__call__(src, sink, stream, sync, words, pub)
 
     def reduce_both(*args, **kwargs):
         kernels.launch_reduce(*args, **kwargs)

@@ -34,6 +34,11 @@ def _cases(world: int, seed: int, n: int, big: bool):
         else:
             op = rng.choice(["sum", "avg", "lse"])
             case.update(kind="reduce", op=op, acc=rng.random() < 0.5)
+            # symmetric inputs: which ranks reduce from one (peers may read it in place), at
+            # which row offset (not 16-byte aligned for small rows: then the rows are sent)
+            case.update(
+                pull=rng.random() < 0.6, pull_bits=rng.randrange(1 << world), lead=rng.choice([0, 0, 1])
+            )
             case["dtype"] = rng.choice(["float32", "bfloat16", "float64", "float16"])
             if op == "lse" and len(row) < 2:
                 case["row_shape"] = (2, 3)
@@ -72,6 +77,14 @@ def _run_reduce(be, case, rank, world):
     rows = sum(lay.in_sizes[rank])
     old = lib.rank_data(case, rank, rows, dtype, salt=1)
     out = old.clone()
+    sym = src = None
+    if case.get("pull"):
+        # collective; the ranks in pull_bits reduce from a row range of a symmetric tensor
+        n = inputs[rank].shape[0]
+        sym = be.empty_output((n + 1, *case["row_shape"]), dtype)
+        if case["pull_bits"] >> rank & 1:
+            src = sym[case["lead"] : case["lead"] + n]
+            src.copy_(inputs[rank])
     if op == "lse":
         in_lses = [lib.rank_lse(case, r, sum(lay.out_sizes[r])) for r in range(world)]
         old_lse = lib.rank_lse(case, rank, rows, salt=1)
@@ -82,9 +95,13 @@ def _run_reduce(be, case, rank, world):
         torch.testing.assert_close(out_lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.double(), exp, rtol=tol, atol=tol)
     else:
-        be.group_reduce(inputs[rank], out, plan, case["async"], op, None, None, acc).wait()
+        own = inputs[rank] if src is None else src
+        be.group_reduce(own, out, plan, case["async"], op, None, None, acc).wait()
         exp = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, op, acc)
         assert torch.equal(out, exp), (rank, case)
+        assert torch.equal(own, inputs[rank])  # read in place, never written
+    if sym is not None:
+        be.free_output(sym)  # collective: also waits until every peer is done reading it
 
 
 def _run(be, case, rank, world):
@@ -135,6 +152,12 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
         )
         assert fw.direct_writes > 0  # some casts went straight into peers' outputs
         assert fw.overlapped == 0  # the default overlap chunk is far larger than these pairs
+        # fused reductions read some sources' rows from their symmetric inputs (pull)
+        assert (fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0) == fused, (
+            fw.pulled_rows,
+            fw.published_maps,
+            fw.done_waits,
+        )
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
 
 

@@ -199,11 +199,19 @@ def test_registering_native_imports_no_gpu_stack():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize(
-    "entry", ["main_triton", "main_triton_reduce", "main_triton_handshake", "main_triton_overlap"]
+    "entry",
+    [
+        "main_triton",
+        "main_triton_reduce",
+        "main_triton_handshake",
+        "main_triton_overlap",
+        "main_triton_publish",
+    ],
 )
 def test_kernel_under_triton_interpreter(entry):
-    """The copy kernel (``main_triton``) and the fused reduction (``main_triton_reduce``) on CPU
-    tensors under TRITON_INTERPRET=1, in a subprocess."""
+    """The copy kernel (``main_triton``, its handshake, progress and publish steps) and the fused
+    reduction (``main_triton_reduce``: also reading pulled rows in place and its DONE step) on
+    CPU tensors under TRITON_INTERPRET=1, in a subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
     subprocess.run(
         [sys.executable, "-c", f"import native_sim; native_sim.{entry}()"],
@@ -221,10 +229,16 @@ def test_kernel_under_triton_interpreter(entry):
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
     op=st.sampled_from(["sum", "avg"]),
     acc=st.booleans(),
+    pull_bits=st.integers(0, 31),
+    E=st.sampled_from([3, 4, 8]),
 )
-def test_fused_reduce_terms_match_oracle(world, seed, dtype, op, acc):
+def test_fused_reduce_terms_match_oracle(world, seed, dtype, op, acc, pull_bits, E):
+    """The fused reduction's tables (reference kernel) against the oracle; sources in
+    ``pull_bits`` publish their input's map instead of sending (build_pull_terms /
+    publish_table: the receiver reads those rows in place)."""
     lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
-    native_sim.check_fused_reduce(lay, 40, dtype, op, acc)
+    pull = frozenset(r for r in range(world) if pull_bits >> r & 1)
+    native_sim.check_fused_reduce(lay, 40, dtype, op, acc, E=E, pull_ranks=pull)
 
 
 def test_fused_reduce_terms_refuse_rounds():

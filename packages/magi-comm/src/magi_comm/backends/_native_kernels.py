@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import _native_protocol as proto
-from ._native_layout import MAX_PEERS, BlockTable
+from ._native_layout import MAX_PEERS, PULL_SOURCE_SHIFT, PULL_SPLIT_SHIFT, BlockTable
 from ._native_protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake
 
 __all__ = ["CopyLaunch", "launch_reduce"]
@@ -56,7 +56,14 @@ __all__ = ["CopyLaunch", "launch_reduce"]
 ARM = tl.constexpr(proto.ARM)
 READY = tl.constexpr(proto.READY)
 PROGRESS = tl.constexpr(proto.PROGRESS)
+DONE = tl.constexpr(proto.DONE)
+PULL_ACCEPT = tl.constexpr(proto.PULL_ACCEPT)
+_PUB_SHIFT_SRC = tl.constexpr(PULL_SOURCE_SHIFT)
+_PUB_SHIFT_SPLIT = tl.constexpr(PULL_SPLIT_SHIFT)
+_PUB_SPLIT_MASK = tl.constexpr((1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1)
+_PUB_ROW_MASK = tl.constexpr((1 << PULL_SPLIT_SHIFT) - 1)
 _PEER_ARGS = [f"p{c}" for c in range(PEER_WORDS)]
+_DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
 _POLL_PAUSE_NS = 500
 
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
@@ -254,6 +261,50 @@ def _progress_wanted(prog_rows, maps, W: tl.constexpr, DIRECT: tl.constexpr, MAP
     return wanted
 
 
+# ---- pull (group_reduce from a symmetric input) --------------------------------------------
+
+
+@triton.jit
+def _pulled_peers(pub, accepts, W: tl.constexpr):
+    """Bit ``c`` set: destination ``c`` reads this launch's rows for it from our input (it
+    accepts pulls and our publish table has a map for it), so they are not sent."""
+    tab = pub.to(tl.pointer_type(tl.int64))
+    mask = tl.full((), 0, tl.int32)
+    for c in tl.static_range(W):
+        lo = tl.load(tab + c)
+        row = tl.load(tab + c + 1) > lo
+        hdr = tl.load(tab + W + 1 + lo, mask=row, other=0)  # an empty last row: nothing to read
+        accept = tl.load(accepts.to(tl.pointer_type(tl.int64)) + c)
+        if (hdr > 0) & (accept == PULL_ACCEPT):
+            mask = mask | (1 << c)
+    return mask
+
+
+@triton.jit
+def _publish(pub, pub_peers, pulled, offs, W: tl.constexpr, ME: tl.constexpr, MAPW: tl.constexpr,
+             BLOCK: tl.constexpr):  # fmt: skip
+    """Program 0 of a reduce send: write each destination's pull-map header into its row
+    ``ME`` (a map where the destination pulls, else 0). Released with the program's stores,
+    before the ready signal."""
+    tab = pub.to(tl.pointer_type(tl.int64))
+    for c in tl.static_range(W):
+        lo = tl.load(tab + c)
+        hi = tl.load(tab + c + 1)
+        if hi > lo:
+            row = (
+                tl.load(pub_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64)) + ME * MAPW
+            )
+            if ((pulled >> c) & 1) != 0:
+                i = 0
+                while i < hi - lo:
+                    m = offs < hi - lo - i
+                    v = tl.load(tab + W + 1 + lo + i + offs, mask=m)
+                    tl.store(row + i + offs, v, mask=m)
+                    i += BLOCK
+            else:
+                tl.store(row, 0)
+
+
 # ---- copy ----------------------------------------------------------------------------------
 
 
@@ -270,6 +321,7 @@ def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, val
 def _put_peer(
     anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W: tl.constexpr, COL: tl.constexpr,
     start, offs, vals, mask, VEC: tl.constexpr, DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr,
+    pulled,
 ):  # fmt: skip
     # Peer COL's region in its receive buffer, unless the peer published a map of its output
     # (header > 0 = 1 + the symmetric allocation holding it): then straight into its output.
@@ -277,7 +329,7 @@ def _put_peer(
     # the compiler knows the alignment of the argument and of the offset (multiple_of), so the
     # stores stay 16-byte vectors; a pointer loaded from memory would lose that.
     off = tl.load(task_dst + t * (W + 1) + COL)
-    if off >= 0:
+    if (off >= 0) & (((pulled >> COL) & 1) == 0):
         target = tl.load(peers + COL)
         if DIRECT:
             row = maps.to(tl.pointer_type(tl.int64)) + COL * MAPW
@@ -294,24 +346,34 @@ def _put_peer(
 @triton.jit
 def _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst, task_split,
                 task_within, maps, alloc_base, offs, DT: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
-                DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr):  # fmt: skip
-    """Block ``b``: load its words from ``src`` once, store them to every destination."""
+                DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr, pulled,
+                PUBLISH: tl.constexpr):  # fmt: skip
+    """Block ``b``: load its words from ``src`` once, store them to every destination (not to
+    the ``pulled`` ones; a block with no other destination reads nothing)."""
     t = tl.load(blk_task + b).to(tl.int64)
-    start = tl.load(blk_start + b)
-    n = tl.load(task_len + t)
-    mask = offs < n - start
-    s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
-    vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
-    _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
-    for c in tl.static_range(W):
-        _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
-                  vals, mask, VEC, DIRECT, MAPW, WB)  # fmt: skip
+    live = 1
+    if PUBLISH:
+        live = (tl.load(task_dst + t * (W + 1) + W) >= 0).to(tl.int32)
+        for c in tl.static_range(W):
+            if (tl.load(task_dst + t * (W + 1) + c) >= 0) & (((pulled >> c) & 1) == 0):
+                live = 1
+    if live != 0:
+        start = tl.load(blk_start + b)
+        n = tl.load(task_len + t)
+        mask = offs < n - start
+        s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
+        vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
+        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
+        for c in tl.static_range(W):
+            _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
+                      vals, mask, VEC, DIRECT, MAPW, WB, pulled)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_PEER_ARGS)
 def _copy_kernel(
     src,
     sink,
+    pub,
     p0,
     p1,
     p2,
@@ -331,6 +393,8 @@ def _copy_kernel(
     task_within,
     maps,
     alloc_base,
+    pub_peers,
+    accepts,
     fence,
     sig,
     sig_peers,
@@ -351,6 +415,7 @@ def _copy_kernel(
     WB: tl.constexpr,
     ME: tl.constexpr,
     GP: tl.constexpr,
+    PUBLISH: tl.constexpr,
     HS_ARM: tl.constexpr,
     HS_READY: tl.constexpr,
     HS_WAIT_END: tl.constexpr,
@@ -367,10 +432,18 @@ def _copy_kernel(
     # chunks of ``chunk_blocks`` blocks and mark each chunk done (``prog_cnt``: one int32 per
     # copying program, zero between launches; GP: a power of two >= their number). AWAIT (a receive copy): each block first waits for the rows
     # it reads (``wait_src`` / ``wait_rows`` per block).
+    # PUBLISH (a reduce's send): program 0 writes every destination's pull-map header (``pub``:
+    # the publish table, see _native_layout.publish_table; ``pub_peers``: each peer's pull-map
+    # area; ``accepts``: the destinations' accept words); rows of pulled destinations stay.
     _handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM)
     offs = tl.arange(0, BLOCK)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    pulled = tl.full((), 0, tl.int32)
+    if PUBLISH:
+        pulled = _pulled_peers(pub, accepts, W)
+        if pid == 0:
+            _publish(pub, pub_peers, pulled, offs, W, ME, MAPW, BLOCK)
     if PROG:
         # programs 0..G-1 copy, chunk by chunk; program G reports (see _report_progress)
         report = _progress_wanted(prog_rows, maps, W, DIRECT, MAPW)
@@ -387,7 +460,8 @@ def _copy_kernel(
                 end = tl.minimum(first + chunk_blocks, nblocks)
                 while b < end:
                     _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
-                                task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB)  # fmt: skip
+                                task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB,
+                                pulled, PUBLISH)  # fmt: skip
                     b += G
                 if report != 0:
                     _chunk_done(prog_cnt, j)
@@ -406,7 +480,8 @@ def _copy_kernel(
                 seen = _await_rows(sig, s, tl.load(wait_rows + b), _word_at(s, p0, p1, p2, p3, p4, p5, p6, p7),
                                    seen, W, PAUSE)  # fmt: skip
             _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
-                        task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB)  # fmt: skip
+                        task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB, pulled,
+                        PUBLISH)  # fmt: skip
             b += G
     if FENCE and not (HS_READY or HS_WAIT_END):  # else the end handshake releases
         # Make this program's peer stores visible system-wide before the kernel can complete
@@ -534,13 +609,21 @@ class CopyLaunch:
         waits: ``(source, rows)`` device tables of
             :func:`~magi_comm.backends._native_layout.recv_waits` for a receive copy that
             waits for its rows (``AWAIT_ROWS``).
+        publish: ``(pub_peers, accepts, map_width)`` for a reduce's send (round 0): program 0
+            writes each destination's pull-map header, the publish table of the call (see
+            :func:`~magi_comm.backends._native_layout.publish_table`), into row ``rank`` of
+            that peer's pull-map area (``pub_peers``: address of an int64 ``(W,)`` table of
+            those areas, NVLink-mapped; rows of ``map_width`` words), and rows for a
+            destination that accepts pulls (``accepts``: address of the int64 ``(W,)`` accept
+            words) and gets a map are not sent. Needs the handshake's rank.
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
                  num_warps: int = 8, fence: int = 0, direct: tuple[int, int, int] | None = None,
                  max_programs: int = 0, handshake: Handshake | None = None,
                  progress: tuple[torch.Tensor, int, int] | None = None,
-                 waits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                 waits: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 publish: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
@@ -579,6 +662,8 @@ class CopyLaunch:
             table.task_within,
             direct[0] if direct else self.filler,
             direct[1] if direct else self.filler,
+            publish[0] if publish else self.filler,
+            publish[1] if publish else self.filler,
             fence or self.filler,
             hs.sig if hs else self.filler,
             hs.sig_peers if hs else self.filler,
@@ -590,9 +675,11 @@ class CopyLaunch:
             table.num_blocks,
             progress[2] if progress else 1,
         )
-        if (progress or waits) and hs is None:
-            raise ValueError("progress and waits need a handshake (the signal slots)")
-        self.progress, self.waits = progress, waits
+        if (progress or waits or publish) and hs is None:
+            raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
+        if publish and direct:
+            raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
+        self.progress, self.waits, self.publish = progress, waits, publish
         self.handshake = hs
         self.base_consts = dict(
             DT=_TL[dtype],
@@ -601,10 +688,11 @@ class CopyLaunch:
             VEC=vec,
             FENCE=int(bool(fence) and any(p for p in peers)),
             DIRECT=int(direct is not None and table.num_blocks > 0 and table.has_splits),
-            MAPW=direct[2] if direct else 1,
+            MAPW=direct[2] if direct else (publish[2] if publish else 1),
             WB=torch.empty(0, dtype=dtype).element_size(),
             ME=hs.rank if hs else 0,
             GP=triton.next_power_of_2(max(programs, 1)) if progress else 1,
+            PUBLISH=int(publish is not None),  # the kernel's constexprs in its order (launched positionally)
         )
         self.num_warps = num_warps
         self._modes: dict[int, tuple[dict, int]] = {}
@@ -626,12 +714,15 @@ class CopyLaunch:
         return got
 
     def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None, sync: int = 0,
-                 words: tuple[int, ...] = ()) -> None:  # fmt: skip
+                 words: tuple[int, ...] = (), pub: int = 0) -> None:  # fmt: skip
         """Copy from address ``src`` to the peers and to address ``sink`` (0: no local sink).
 
         ``sync``: handshake steps (bits of :mod:`magi_comm.backends._native_protocol`) with
         ``words`` the packed per-peer words (:func:`~magi_comm.backends._native_protocol.pack_peer`,
-        at most ``PEER_WORDS``); 0: a plain copy."""
+        at most ``PEER_WORDS``); 0: a plain copy. ``pub``: address of the call's publish table
+        (a launch built with ``publish``: required)."""
+        if bool(pub) != (self.publish is not None):
+            raise ValueError("a publishing launch needs the publish table (pub), others take none")
         if sync and self.handshake is None:
             raise ValueError("this launch was built without a handshake")
         if (sync & proto.SIGNAL_PROGRESS and self.progress is None) or (
@@ -639,20 +730,47 @@ class CopyLaunch:
         ):
             raise ValueError("this launch was built without progress / wait tables")
         handshake_steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
-        grid = self.sync_grid if sync & handshake_steps else self.grid
+        # a publishing launch writes the headers even without blocks
+        grid = self.sync_grid if sync & handshake_steps or pub else self.grid
         if sync & proto.SIGNAL_PROGRESS:
             grid = self.report_grid
         if grid[0] == 0:
             return
         # 0 (an empty tensor: nothing is read or written) would turn the address 32-bit
-        src, sink = src or self.filler, sink or self.filler
+        src, sink, pub = src or self.filler, sink or self.filler, pub or self.filler
         consts, variant = self._mode(sync)
-        key = (variant, src % 16 == 0, sink % 16 == 0, src < 2**31, sink < 2**31)
+        key = (variant, src % 16 == 0, sink % 16 == 0, pub % 16 == 0, src < 2**31, sink < 2**31, pub < 2**31)
         peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
-        _copy(grid, (src, sink, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
+        _copy(grid, (src, sink, pub, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
 
 
-@triton.jit(do_not_specialize=_PEER_ARGS)
+@triton.jit
+def _reduce_end(sig, sig_peers, counter, accepts, d0, d1, d2, d3, d4, d5, d6, d7, W: tl.constexpr,
+                ME: tl.constexpr, WAIT_DONE: tl.constexpr):  # fmt: skip
+    """The fused reduction's last program: raise ``DONE`` on every source to the pair's epoch
+    (this rank no longer reads its input); with ``WAIT_DONE`` (our input may be read in place)
+    wait for ``DONE`` of every destination that accepts pulls. Reads are complete once every
+    program has counted itself (the values were used before), so GPU scope suffices there."""
+    tl.debug_barrier()
+    cnt = counter.to(tl.pointer_type(tl.int32))
+    finished = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if finished == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # the next launch starts at 0
+        for c in tl.static_range(W):
+            src_epoch = (_word(c, d0, d1, d2, d3, d4, d5, d6, d7) >> 1) & 0x7FFFFFFF
+            if src_epoch > 0:
+                peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
+                tl.atomic_max(peer + DONE * W + ME, src_epoch, sem="release", scope="sys")
+        if WAIT_DONE:
+            slots = sig.to(tl.pointer_type(tl.int64))
+            for c in tl.static_range(W):
+                dst_epoch = (_word(c, d0, d1, d2, d3, d4, d5, d6, d7) >> 32) & 0x3FFFFFFF
+                accept = tl.load(accepts.to(tl.pointer_type(tl.int64)) + c, volatile=True)
+                if (dst_epoch > 0) & (accept == PULL_ACCEPT):
+                    _await_at_least(slots + DONE * W + c, dst_epoch)
+
+
+@triton.jit(do_not_specialize=_PEER_ARGS + _DONE_ARGS)
 def _reduce_kernel(
     out,
     inp,
@@ -671,6 +789,20 @@ def _reduce_kernel(
     p5,
     p6,
     p7,
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    d5,
+    d6,
+    d7,
+    term_pull,
+    pull_maps,
+    alloc_base,
+    accepts,
+    sig_peers,
+    counter,
     n_rows,
     E,
     TERMS: tl.constexpr,
@@ -682,11 +814,23 @@ def _reduce_kernel(
     W: tl.constexpr,
     AWAIT: tl.constexpr,
     PAUSE: tl.constexpr,
+    PULL: tl.constexpr,
+    PV: tl.constexpr,
+    ES: tl.constexpr,
+    MAPW: tl.constexpr,
+    ME: tl.constexpr,
+    END: tl.constexpr,
+    WAIT_DONE: tl.constexpr,
 ):
     # Tiles of BR rows x BC columns; program p takes tiles p, p + grid, ... (one tile each
     # without AWAIT). AWAIT: before a tile, wait for the peers' rows it reads (``need``:
     # int64 (row tiles, W), leading region rows per source), as the receive copy does; row
     # tiles are taken in the order their rows arrive (``order``: int32 (row tiles,)).
+    # PULL: a peer term whose source published a map (``pull_maps`` row c: [1 + allocation,
+    # byte offset of each pair split], ``alloc_base``: the peers' allocations) is read from that
+    # source's input over NVLink (``term_pull``: source, pair split, row inside it), the
+    # others from the regions; addresses become element offsets from ``region`` (16-byte
+    # aligned) so that the loads stay PV-element vectors. END: the DONE step (_reduce_end).
     ncb = tl.cdiv(E, BC)
     ntiles = tl.cdiv(n_rows, BR) * ncb
     tile = tl.program_id(0)
@@ -722,9 +866,30 @@ def _reduce_kernel(
             toff = tr[:, None] * E + cols[None, :]
             mk = m & has[:, None]
             vs = tl.load(inp + toff, mask=mk & ts[:, None], other=0)
-            vr = tl.load(
-                region.to(tl.pointer_type(out.dtype.element_ty)) + toff, mask=mk & ~ts[:, None], other=0
-            )
+            reg = region.to(tl.pointer_type(out.dtype.element_ty))
+            if PULL:
+                # per-row values as (BR, 1) tiles from the start (1-D rows mixed with 2-D
+                # vector loads trip Triton's layout pass); unmasked loads at clamped indices
+                # (row 0 and entry 0 always exist)
+                tp = tl.load(term_pull + rows64[:, None] * TERMS + k, mask=rmask[:, None], other=-1)
+                peer_term = has[:, None] & ~ts[:, None] & (tp >= 0)
+                c = tl.where(peer_term, (tp >> _PUB_SHIFT_SRC) & 0xFF, 0)
+                maps_row = pull_maps.to(tl.pointer_type(tl.int64)) + c * MAPW
+                hdr = tl.load(maps_row)
+                pulled = peer_term & (hdr > 0)
+                base = tl.load(
+                    alloc_base.to(tl.pointer_type(tl.int64)) + tl.where(pulled, (hdr - 1) * W + c, 0)
+                )
+                split = (tp >> _PUB_SHIFT_SPLIT) & _PUB_SPLIT_MASK
+                entry = tl.load(maps_row + tl.where(pulled, 1 + split, 0))
+                within = tp & _PUB_ROW_MASK
+                poff = tl.where(pulled, (base + entry - region) // ES + within * E, 0)
+                poff = tl.multiple_of(poff, [PV, 1])
+                vp = tl.load(reg + poff + cols[None, :], mask=mk & pulled, other=0)
+                vr = tl.load(reg + toff, mask=mk & ~ts[:, None] & ~pulled, other=0)
+                vr = tl.where(pulled, vp, vr)
+            else:
+                vr = tl.load(reg + toff, mask=mk & ~ts[:, None], other=0)
             v = tl.where(ts[:, None], vs, vr).to(ACC_DT)
             acc = tl.where(has[:, None], acc + v, acc)
         if AVG:
@@ -735,6 +900,8 @@ def _reduce_kernel(
                 acc = acc / cnt[:, None]
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
         tile += tl.num_programs(0)
+    if END:
+        _reduce_end(sig, sig_peers, counter, accepts, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE)
 
 
 _reduce = _Compiled(_reduce_kernel)
@@ -760,6 +927,8 @@ def launch_reduce(
     average: bool,
     stream: torch.cuda.Stream | None = None,
     waits: tuple[torch.Tensor, int, tuple[int, ...], int] | None = None,
+    pull: tuple[torch.Tensor, int, int, int] | None = None,
+    end: tuple[Handshake, int, int, tuple[int, ...], bool] | None = None,
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -768,7 +937,7 @@ def launch_reduce(
             ``acc_reduce``, overwritten.
         inp: the rank's contiguous input viewed ``(N_in, E)``, same dtype (own terms).
         region: address of the local receive regions (rows of ``E`` elements of ``out.dtype``,
-            peer terms).
+            peer terms; 16-byte aligned when ``pull`` is given).
         term_row / term_self / nterms: from
             :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
         waits: ``(need, order, sig, words, max_programs)`` to run beside the transfer
@@ -778,24 +947,51 @@ def launch_reduce(
             signal array, ``words`` one packed word per peer (epoch and ``READY`` count of each
             source), ``max_programs`` the grid (its programs stride over the tiles). None: the
             peers' rows are already in place.
+        pull: ``(term_pull, pull_maps, alloc_base, map_width)``: read the terms of sources that
+            published a map from their inputs (``term_pull`` from
+            :func:`~magi_comm.backends._native_layout.build_pull_terms` on the device,
+            ``pull_maps`` the address of the local int64 ``(W, map_width)`` pull-map area,
+            ``alloc_base`` of the int64 ``(allocations, W)`` table of peers' symmetric
+            allocations). None: every peer term is in the regions.
+        end: ``(handshake, counter, accepts, done_words, wait_done)``: the DONE step after the
+            last tile (:mod:`magi_comm.backends._native_protocol`): ``counter`` the address of
+            a local int32, zero between launches, ``accepts`` of the local int64 ``(W,)``
+            accept words, ``done_words`` one :func:`~magi_comm.backends._native_protocol.pack_done`
+            word per peer; ``wait_done``: our input may be read in place (wait for the
+            destinations). The launch then runs even without rows.
     """
     n_rows, E = out.shape[0], out.shape[1]
-    if n_rows == 0 or E == 0:
+    if (n_rows == 0 or E == 0) and end is None:
         return
     region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
-    bc = min(triton.next_power_of_2(E), 1024)
+    bc = min(triton.next_power_of_2(max(E, 1)), 1024)
     br = reduce_tile_rows(E, waits is not None)
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
     W = term_row.shape[1]
     ntiles = triton.cdiv(n_rows, br) * triton.cdiv(E, bc)
     if waits is None:
-        grid = (ntiles, 1, 1)
+        grid = (max(ntiles, 1), 1, 1)
         need, order, sig, words = nterms, nterms, out.data_ptr(), ()
     else:
         need, order, sig, words, cap = waits
-        grid = (min(ntiles, cap) if cap else ntiles, 1, 1)
+        grid = (max(min(ntiles, cap) if cap else ntiles, 1), 1, 1)
+    es = out.element_size()
+    rb = E * es
+    term_pull, pull_maps, alloc_base, mapw = pull if pull else (nterms, region, region, 1)
+    if end is not None:
+        hs, counter, accepts, done, wait_done = end
+        sig_peers, me = hs.sig_peers, hs.rank
+        if waits is not None and sig != hs.sig:
+            raise ValueError("launch_reduce: waits and end must name the same signal array")
+        sig = hs.sig
+    else:
+        sig_peers, counter, accepts, done, wait_done, me = region, region, region, (), False, 0
     peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
-    args = (out, inp, region, term_row, term_self, nterms, need, order, sig, *peer_words, n_rows, E)
+    done_words = (*done, *(IDLE_WORD,) * (PEER_WORDS - len(done)))
+    args = (out, inp, region, term_row, term_self, nterms, need, order, sig, *peer_words, *done_words, term_pull,
+            pull_maps, alloc_base, accepts, sig_peers, counter, n_rows, E)  # fmt: skip
     consts = dict(TERMS=W, BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
-                  W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause())  # fmt: skip
+                  W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause(), PULL=int(pull is not None),
+                  PV=16 // es if rb % 16 == 0 else 1, ES=es, MAPW=mapw, ME=me, END=int(end is not None),
+                  WAIT_DONE=int(bool(wait_done)))  # fmt: skip
     _reduce(grid, args, consts, 8, stream)

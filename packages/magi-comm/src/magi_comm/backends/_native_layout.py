@@ -49,6 +49,8 @@ from .._plan import _prefix
 
 __all__ = [
     "MAX_PEERS",
+    "PULL_SOURCE_SHIFT",
+    "PULL_SPLIT_SHIFT",
     "SINK_CONCAT",
     "SINK_NONE",
     "SINK_SCATTER",
@@ -57,11 +59,13 @@ __all__ = [
     "Schedule",
     "TaskTable",
     "arrival_order",
+    "build_pull_terms",
     "build_reduce_terms",
     "build_schedule",
     "bytes_needed",
     "field_offsets",
     "grown_capacity",
+    "publish_table",
     "recv_waits",
     "reduce_waits",
     "region_index",
@@ -78,6 +82,9 @@ SINK_CONCAT = "concat"  # group_reduce: row q from s -> receive row recv_off[s] 
 SINK_NONE = "none"  # fused group_reduce: rows stay in the regions (self rows in the input)
 
 _ALIGN = 16  # bytes; field areas and the capacity are multiples of this
+# A pull term (build_pull_terms): source << 56 | pair split << 32 | row inside the split.
+PULL_SOURCE_SHIFT = 56
+PULL_SPLIT_SHIFT = 32
 _UNBOUNDED = 1 << 62  # region_rows when there is no peer (world size 1)
 
 
@@ -359,6 +366,70 @@ def build_reduce_terms(plan, rows_per_region: int) -> tuple[torch.Tensor, torch.
         term_self[out_rows, k] = is_self.to(torch.int8)
         nterms[out_rows] += 1
     return term_row, term_self, nterms
+
+
+def build_pull_terms(plan, term_row: torch.Tensor, term_self: torch.Tensor, nterms: torch.Tensor,
+                     rows_per_region: int) -> torch.Tensor:  # fmt: skip
+    """Where each peer term of the fused reduction lies in its source's input, for a source that
+    lets this rank read its rows in place (pull, see :mod:`magi_comm.backends._native_protocol`).
+
+    The term at region row ``region_index(s, r) * R + q`` (:func:`build_reduce_terms`) is pair
+    row ``q`` of source ``s``: row ``q - start`` of the ``j``-th split ``s`` sends this rank,
+    whose first pair row is ``start`` (the splits pair one to one with this rank's output splits
+    from ``s``, in order). Returns int64 ``(N_out, W)``: ``s << PULL_SOURCE_SHIFT | j <<
+    PULL_SPLIT_SHIFT | (q - start)`` for peer terms, -1 for own and missing terms.
+    """
+    W, r, R = plan.world_size, plan.rank, rows_per_region
+    out = torch.full(term_row.shape, -1, dtype=torch.int64)
+    if term_row.numel() == 0:
+        return out
+    k = torch.arange(term_row.shape[1], dtype=torch.int64)
+    peer = (term_self == 0) & (k[None, :] < nterms[:, None]) & (term_row >= 0)
+    region = torch.div(term_row, R, rounding_mode="floor")
+    source = region + (region >= r).to(torch.int64)
+    q = term_row - region * R
+    for s in range(W):
+        here = peer & (source == s)
+        if s == r or not bool(here.any()):
+            continue
+        sizes = torch.tensor([plan.output_split_sizes[j] for j in plan.recv_split_ids[s]], dtype=torch.int64)
+        if sizes.numel() >= 1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT):
+            raise ValueError(
+                f"build_pull_terms: {sizes.numel()} splits from rank {s} do not fit the encoding"
+            )
+        ends = torch.cumsum(sizes, 0)
+        j = torch.searchsorted(ends, q[here], right=True)
+        within = q[here] - (ends - sizes)[j]
+        out[here] = s << PULL_SOURCE_SHIFT | j << PULL_SPLIT_SHIFT | within
+    return out
+
+
+def publish_table(plan, map_width: int, pull: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """What a reduce's send launch publishes to each destination (see
+    :mod:`magi_comm.backends._native_protocol`): int64 ``[W + 1 offsets, words...]``; row ``c``
+    (words ``offsets[c]:offsets[c + 1]``) is empty where ``c`` gets no rows, else the header
+    of ``c``'s pull-map row.
+
+    ``pull = (allocation, input byte offset, row bytes)`` (the input lies in a symmetric
+    allocation): row ``c`` is ``[1 + allocation, byte offset of each input split sent to c]``
+    (at most ``map_width`` words; a destination with more splits gets ``[0]``: its rows are
+    sent). None: ``[0]`` for every destination (rows sent, read from the regions).
+    """
+    W, r = plan.world_size, plan.rank
+    in_off = _prefix(list(plan.input_split_sizes))
+    rows = []
+    for c in range(W):
+        if c == r or plan.send_counts[c] == 0:
+            rows.append([])
+            continue
+        ids = plan.send_split_ids[c]
+        if pull is None or 1 + len(ids) > map_width:
+            rows.append([0])
+            continue
+        alloc, offset, rb = pull
+        rows.append([1 + alloc] + [offset + in_off[i] * rb for i in ids])
+    offsets = [*_prefix([len(x) for x in rows]), sum(len(x) for x in rows)]
+    return torch.tensor(offsets + [w for row in rows for w in row], dtype=torch.int64)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,8 +35,23 @@ path, another configuration) still releases the rows through ``READY``. The ``ep
 pair's call count (the ``ARM`` count: the destination's arms of that source), so a value from
 an earlier call never passes, and the slot only grows (atomic max): no reset.
 
+Pull (group_reduce from a symmetric input): a receiver whose call takes the fused reduction
+*accepts pulls*: its arm first puts ``PULL_ACCEPT`` into its word of each source's accept
+array (``0`` when it does not accept; put only when the word changes). A send launch of a
+reduce publishes, per destination, a header into the destination's *pull map* row (program 0,
+before the ready signal): where the destination accepts pulls and the sender's input lies in
+the symmetric heap, ``[1 + allocation, byte offset of each pair split]`` (and the rows for
+that destination are not sent: the receiver reads them from the sender's input over NVLink),
+else ``0`` (the rows are in the receiver's region). The fused reduction reads each source's
+header after that source's ready signal. Its last program then raises slot ``(DONE, rank)``
+on every source to the pair's epoch (atomic max, like ``PROGRESS``: no count to agree on),
+and a sender that published a map waits there for ``DONE`` of each destination that accepts
+pulls before its call ends (the caller may overwrite its input afterwards). Every rank
+reduces before it waits, so this cannot deadlock.
+
 Per call the kernel gets one packed int64 per peer (:func:`pack_peer`): the waits change with
-every call, and Triton must not specialize on them (the tag bit keeps them 64-bit).
+every call, and Triton must not specialize on them (the tag bit keeps them 64-bit). The fused
+reduction's end step takes a second set (:func:`pack_done`).
 """
 
 from __future__ import annotations
@@ -48,22 +63,27 @@ __all__ = [
     "ARM",
     "ARM_AND_WAIT",
     "AWAIT_ROWS",
+    "DONE",
     "MAX_REPORTING_PROGRAMS",
     "NUM_SIGNALS",
     "PEER_WORDS",
     "PROGRESS",
+    "PULL_ACCEPT",
     "READY",
     "READY_END",
     "SIGNAL_PROGRESS",
     "WAIT_READY_END",
     "Handshake",
+    "pack_done",
     "pack_peer",
     "progress_value",
     "unpack_peer",
 ]
 
-READY, ACK, ARM, PROGRESS = 0, 1, 2, 3
-NUM_SIGNALS = 4
+READY, ACK, ARM, PROGRESS, DONE = 0, 1, 2, 3, 4
+NUM_SIGNALS = 5
+
+PULL_ACCEPT = 1  # a receiver's accept word: leave my rows in your input, I read them there
 
 ARM_AND_WAIT = 1
 READY_END = 2
@@ -107,6 +127,14 @@ def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False) -> 
 def unpack_peer(word: int) -> tuple[int, int, bool]:
     """Inverse of :func:`pack_peer`: ``(arm_wait, ready_wait, arm_now)``."""
     return (word >> 32) & ((1 << _ARM_BITS) - 1), (word >> 1) & ((1 << 31) - 1), bool(word & 1)
+
+
+def pack_done(dst_epoch: int = 0, src_epoch: int = 0) -> int:
+    """One peer's word for the fused reduction's end step: the pair's epoch as a destination
+    of this rank (> 0: wait for its ``DONE`` if it pulled this rank's rows) and as a source
+    (> 0: raise its ``DONE`` slot if this rank pulled its rows). Same layout as
+    :func:`pack_peer` (``arm_wait``, ``ready_wait``)."""
+    return pack_peer(dst_epoch, src_epoch)
 
 
 def progress_value(epoch: int, rows: int) -> int:

@@ -102,11 +102,13 @@ from ._native_layout import (
     SINK_SCATTER,
     TaskTable,
     arrival_order,
+    build_pull_terms,
     build_reduce_terms,
     build_schedule,
     bytes_needed,
     field_offsets,
     grown_capacity,
+    publish_table,
     recv_waits,
     reduce_waits,
     region_rows,
@@ -121,11 +123,13 @@ from ._native_protocol import (
     AWAIT_ROWS,
     MAX_REPORTING_PROGRAMS,
     NUM_SIGNALS,
+    PULL_ACCEPT,
     READY,
     READY_END,
     SIGNAL_PROGRESS,
     WAIT_READY_END,
     Handshake,
+    pack_done,
     pack_peer,
 )
 
@@ -400,6 +404,7 @@ class _GroupState:
         self.arms_made = [0] * W  # calls in which this rank armed each source (the pair's epoch)
         self.acks_seen = [0] * W  # between-round acknowledgements awaited from each destination
         self.map_sent = [-1] * W  # token of the map this rank last put to each source (0: header 0)
+        self.accept_sent = [-1] * W  # accept word this rank last put to each source (reduce: pull)
         self.map_tokens = 0
         self.scratch: dict[str, torch.Tensor] = {}
         # target of the copy kernel's system-scope release (see _native_kernels)
@@ -415,6 +420,8 @@ class _GroupState:
         self.handshake = Handshake(
             self.sig.data_ptr(), self.sig_peers.data_ptr(), self.fence_addr + 32, self.rank
         )
+        # the fused reduction's finished programs (its own slot: it may run beside a copy)
+        self.reduce_counter = self.fence_addr + 48
         self.arm_launch = None  # a launch without rows that only arms and waits (built on first use)
         # Overlap: the send kernel's done words (one per program), and the stream the receive
         # step runs on beside it (events reused: a wait takes the event's state when it is enqueued).
@@ -428,6 +435,15 @@ class _GroupState:
         self.maps = nvc.tensor((W * self.map_width,), dtype=torch.int64)
         self.maps.zero_()
         self.staged_header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Pull (group_reduce from a symmetric input): word d of ``accepts`` is destination d's
+        # accept word for our sends, row s of ``pull_maps`` where source s's rows for us lie.
+        self.accepts = nvc.tensor((W,), dtype=torch.int64)
+        self.accepts.zero_()
+        self.pull_maps = nvc.tensor((W * self.map_width,), dtype=torch.int64)
+        self.pull_maps.zero_()
+        pull_peers = [_peer_path(nvc, self.pull_maps, self.rank, pe).data_ptr() for pe in range(W)]
+        self.pull_peers = torch.tensor(pull_peers, dtype=torch.int64).to(self.device)
+        self.accept_words = torch.tensor([0, PULL_ACCEPT], dtype=torch.int64).to(self.device)
         self.outputs: list[torch.Tensor | None] = [None] * config.max_outputs
         self.output_spans: dict[int, tuple[int, int]] = {}  # live output index -> (start, end) address
         self.output_gen = [0] * config.max_outputs  # allocations made in each slot so far
@@ -480,7 +496,7 @@ class _GroupState:
         for a in sorted(self.output_spans):
             self.free_output(a)
         self._free_buffer()
-        for name in ("sig", "maps"):
+        for name in ("sig", "maps", "accepts", "pull_maps"):
             t = getattr(self, name)
             setattr(self, name, None)
             if t is not None:
@@ -539,17 +555,18 @@ class _GroupState:
             self._slot(kind, self.rank), 1, int(nvc.SignalOp.SIGNAL_ADD), pe, self.stream.cuda_stream
         )
 
-    def arm(self, pe: int, header: tuple[int, int] | None) -> None:
+    def arm(self, pe: int, header: tuple[int, int, int] | None) -> None:
         """Add 1 to slot ``(ARM, self.rank)`` on ``pe`` once prior stream work is done; with
-        ``header = (address, nbytes)`` those local bytes first land in row ``self.rank`` of
-        ``pe``'s map area (one put-with-signal: the data is there before the signal)."""
+        ``header = (address, nbytes, dest)`` those local bytes first land at symmetric address
+        ``dest`` (as ``pe``'s memory: row ``self.rank`` of its map area, or our word of its
+        accept array; one put-with-signal: the data is there before the signal)."""
         if header is None:
             self.signal(ARM, pe)
             return
         nvb, nvc = self.rt.nvb, self.rt.nvc
-        addr, nbytes = header
+        addr, nbytes, dest = header
         nvb.putmem_signal_nbi_on_stream(
-            self.maps.data_ptr() + 8 * self.rank * self.map_width,
+            dest,
             addr,
             nbytes,
             self._slot(ARM, self.rank),
@@ -793,9 +810,12 @@ class NativeBackend:
             # a cast's sends read the peers' maps: they may write straight into peer outputs
             direct = (st.maps.data_ptr(), st.output_bases.data_ptr(), st.map_width)
             direct = direct if sink_kind == SINK_SCATTER else None
+            # a reduce's first send (of the first field) publishes the pull-map headers
+            publish = (st.pull_peers.data_ptr(), st.accepts.data_ptr(), st.map_width)
+            publish = None if sink_kind == SINK_SCATTER else publish
             # block tables go to the device on the group stream, ahead of the kernels reading them
             with torch.cuda.stream(st.stream):
-                for rb, w, off in zip(rbs, ws, field_offsets(W, R, rbs)):
+                for f, (rb, w, off) in enumerate(zip(rbs, ws, field_offsets(W, R, rbs))):
                     block_words = max(1, self.config.block_bytes // w)
                     peers = [None if pe == rank else st.peer_addr[pe] + off for pe in range(W)]
                     dt = _WORD_DTYPES[w]
@@ -804,7 +824,7 @@ class NativeBackend:
                     # one round: the receive step may run beside the transfer (overlap)
                     overlap = len(sched.rounds) == 1 and len(rbs) == 1 and self._overlap_on(sink_kind)
                     overlap = overlap and 0 < cap <= MAX_REPORTING_PROGRAMS
-                    for r in sched.rounds:
+                    for k, r in enumerate(sched.rounds):
                         send = to_blocks(r.send, rb // w, block_words)
                         recv = to_blocks(r.recv, rb // w, block_words)
                         progress = waits = None
@@ -823,6 +843,7 @@ class NativeBackend:
                                     max_programs=cap,
                                     handshake=st.handshake,
                                     progress=progress,
+                                    publish=publish if k == 0 and f == 0 else None,
                                 ),
                                 make(
                                     recv.to(st.device, _to_device),
@@ -841,7 +862,9 @@ class NativeBackend:
             layout = plan._on_device[key] = (sched, per_field)
         return layout
 
-    def _transport(self, plan, sink_kind: str, fields: list[_Field], consume=None, maps=None) -> None:
+    def _transport(
+        self, plan, sink_kind: str, fields: list[_Field], consume=None, maps=None, pub: int = 0
+    ) -> None:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
         ``consume`` (fused reduction, ``SINK_NONE``, at most one round) replaces the receive
@@ -850,6 +873,8 @@ class NativeBackend:
         ``maps`` (group_cast, direct mode): per source, ``(address, nbytes, token)`` of this
         rank's map for it; peers then write straight into the sink and no receive copy runs. A
         cast without maps puts header 0 (rows through the regions).
+        ``pub`` (group_reduce): address of the publish table the first send launch writes to the
+        destinations' pull maps (:func:`~magi_comm.backends._native_layout.publish_table`).
         """
         st = self._require()
         fields = [f for f in fields if f.row_bytes > 0]
@@ -869,7 +894,7 @@ class NativeBackend:
         ]
         rounds = sched.rounds
         if len(rounds) == 1 and len(prepared) == 1 and self.config.device_handshake:
-            self._one_round_in_kernels(rounds[0], prepared[0], sink_kind, consume, maps)
+            self._one_round_in_kernels(rounds[0], prepared[0], sink_kind, consume, maps, pub)
             return
         stream = st.stream
         if rounds:  # arm every source first: a rank never waits before its own arms are out
@@ -884,8 +909,8 @@ class NativeBackend:
                 else:  # d consumed our previous round
                     st.acks_seen[d] += 1
                     st.wait(ACK, d, st.acks_seen[d])
-            for src, sink, _local, runs in prepared:
-                runs[k][0](src, sink, stream)
+            for f, (src, sink, _local, runs) in enumerate(prepared):
+                runs[k][0](src, sink, stream, pub=pub if k == 0 and f == 0 else 0)
             for d in rnd.send_peers:
                 st.sent[d] += 1
                 st.signal(READY, d)
@@ -904,21 +929,25 @@ class NativeBackend:
         if consume is not None and not rounds:
             consume(stream, None)
 
-    def _arm_header(self, s: int, sink_kind: str, maps) -> tuple[int, int] | None:
-        """What arming source ``s`` puts first: ``(address, nbytes)`` of this rank's map for it
-        (a cast: its output map in direct mode, header 0 otherwise), or None when ``s`` still
-        holds that map (only this rank writes its row there) or the call is a reduce."""
+    def _arm_header(self, s: int, sink_kind: str, maps) -> tuple[int, int, int] | None:
+        """What arming source ``s`` puts first: ``(address, nbytes, dest)``, this rank's map for
+        it in row ``rank`` of its map area (a cast: its output map in direct mode, header 0
+        otherwise) or its accept word (a reduce: ``PULL_ACCEPT`` when the call takes the fused
+        reduction, which reads rows in place, else 0), or None when ``s`` still holds that
+        value (only this rank writes there)."""
         st = self._require()
-        if maps is not None:
-            header = maps[s]
-        elif sink_kind == SINK_SCATTER:
-            header = (st.staged_header.data_ptr(), 8, 0)
-        else:
-            return None
+        if sink_kind != SINK_SCATTER:
+            word = PULL_ACCEPT if sink_kind == SINK_NONE else 0
+            if st.accept_sent[s] == word:
+                return None
+            st.accept_sent[s] = word
+            at = st.accept_words.data_ptr() + 8 * int(word == PULL_ACCEPT)
+            return (at, 8, st.accepts.data_ptr() + 8 * self.rank)
+        header = maps[s] if maps is not None else (st.staged_header.data_ptr(), 8, 0)
         if st.map_sent[s] == header[2]:
             return None
         st.map_sent[s] = header[2]
-        return header[:2]
+        return (header[0], header[1], st.maps.data_ptr() + 8 * self.rank * st.map_width)
 
     def _overlap_on(self, sink_kind: str) -> bool:
         cfg = self.config
@@ -946,7 +975,7 @@ class NativeBackend:
             waits = tuple(_to_device(t, st.device) for t in recv_waits(recv, rank, W, R, rb // w))
         return progress, waits
 
-    def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps) -> None:
+    def _one_round_in_kernels(self, rnd, field, sink_kind: str, consume, maps, pub: int) -> None:
         """A call of one round and one field with the handshake inside the kernels: a
         one-program launch arms the sources and waits for the destinations' arms; the send
         kernel signals the destinations ready. The receive copy or the fused reduction (a
@@ -991,7 +1020,7 @@ class NativeBackend:
         progress = send.progress is not None
         if not (receives and recv.waits is not None and rnd.recv_peers):
             sync = READY_END | WAIT_READY_END | (SIGNAL_PROGRESS if progress else 0)
-            send(src, sink, st.stream, sync=sync, words=words)
+            send(src, sink, st.stream, sync=sync, words=words, pub=pub)
             if consume is not None:
                 consume(st.stream, None)
             elif maps is None:
@@ -1005,7 +1034,9 @@ class NativeBackend:
         )
         st.armed_event.record(st.stream)
         st.side.wait_event(st.armed_event)
-        send(src, sink, st.stream, sync=READY_END | (SIGNAL_PROGRESS if progress else 0), words=words)
+        send(
+            src, sink, st.stream, sync=READY_END | (SIGNAL_PROGRESS if progress else 0), words=words, pub=pub
+        )
         if consume is not None:
             consume(st.side, sources)
         else:
@@ -1059,8 +1090,9 @@ class NativeBackend:
 
     def _terms(self, plan, R: int, device, E: int):
         """The fused reduction's tables on ``device`` for rows of ``E`` elements: term rows,
-        self flags, term counts (:func:`build_reduce_terms`) and the rows each tile waits for
-        (:func:`reduce_waits`) and the order its tiles take (:func:`arrival_order`)."""
+        self flags, term counts (:func:`build_reduce_terms`), the rows each tile waits for
+        (:func:`reduce_waits`), the order its tiles take (:func:`arrival_order`) and where
+        each peer term lies in its source's input (:func:`build_pull_terms`)."""
         tile = self._kernels.reduce_tile_rows(E, True)
         key = ("native-terms", str(device), R, tile)
         terms = plan._on_device.get(key)
@@ -1068,10 +1100,43 @@ class NativeBackend:
             host = build_reduce_terms(plan, R)
             need = reduce_waits(*host, self.rank, self.world_size, R, tile)
             order = arrival_order(need, plan.recv_counts)
+            pull = build_pull_terms(plan, *host, R)
             with torch.cuda.stream(self._require().stream):  # ahead of the kernel reading them
-                terms = tuple(_to_device(t, device) for t in (*host, need, order))
+                terms = tuple(_to_device(t, device) for t in (*host, need, order, pull))
             plan._on_device[key] = terms
         return terms
+
+    def _publish_table(self, plan, src: torch.Tensor, rb: int, fused: bool) -> tuple[int, bool]:
+        """``(address, pulled)`` of the publish table a reduce of ``src`` (rows of ``rb``
+        bytes) sends with: its pair splits' offsets when ``fused`` and ``src`` lies 16-byte
+        aligned in a symmetric output (receivers that accept may read the rows there:
+        ``pulled``), else header 0 for every destination. Cached on the plan (the pull maps
+        for the last few inputs, keyed like the direct-mode maps)."""
+        st = self._require()
+        a = st.output_index(src) if fused and rb % 16 == 0 and src.data_ptr() % 16 == 0 else None
+        cache = plan._on_device.setdefault("native-publish", {})
+        key = None if a is None else (a, st.output_gen[a], src.data_ptr(), rb)
+        table = cache.pop(key, None)
+        if table is None:
+            pull = None if a is None else (a, src.data_ptr() - st.output_spans[a][0], rb)
+            with torch.cuda.stream(st.stream):  # ahead of the send kernel reading it
+                table = _to_device(publish_table(plan, st.map_width, pull), st.device)
+        cache[key] = table  # most recent last; the header-0 table stays under None
+        while len(cache) > _MAPS_PER_PLAN + 1:
+            del cache[next(k for k in cache if k is not None)]
+        return table.data_ptr(), a is not None
+
+    def _done_words(self, plan) -> tuple[int, ...]:
+        """The fused reduction's end-step words of this call (after the transport counted it):
+        per peer, the pair's epoch as a destination and as a source (0: no rows that way)."""
+        st = self._require()
+        return tuple(
+            pack_done(
+                st.arms_seen[c] if c != self.rank and plan.send_counts[c] else 0,
+                st.arms_made[c] if c != self.rank and plan.recv_counts[c] else 0,
+            )
+            for c in range(self.world_size)
+        )
 
     def _fused_reduce_ok(self, plan, input: torch.Tensor, rb: int, reduce_op: str) -> int:
         """Rows per region when the fused reduction applies to this call (``input`` has rows of
@@ -1151,11 +1216,13 @@ class NativeBackend:
         R = self._fused_reduce_ok(plan, input, rb, reduce_op)
 
         def fused():
-            # Terms are read where they lie: own rows in the input, peer rows in the regions.
+            # Terms are read where they lie: own rows in the input, peer rows in the regions or,
+            # for a source that lets this rank pull, in that source's input.
             src = input.contiguous()
             out = output if output.is_contiguous() else output.contiguous()
             E = torch.Size(out.shape[1:]).numel()
-            term_row, term_self, nterms, need, order = self._terms(plan, R, out.device, E)
+            term_row, term_self, nterms, need, order, term_pull = self._terms(plan, R, out.device, E)
+            pub, pulled = self._publish_table(plan, src, rb, fused=True)
 
             def consume(stream, words):
                 waits = None
@@ -1167,6 +1234,7 @@ class NativeBackend:
                         words,
                         self.config.max_programs or _CONSUMER_PROGRAMS,
                     )
+                end = (st.handshake, st.reduce_counter, st.accepts.data_ptr(), self._done_words(plan), pulled)
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
@@ -1178,9 +1246,11 @@ class NativeBackend:
                     average=reduce_op == "avg",
                     stream=stream,
                     waits=waits,
+                    pull=(term_pull, st.pull_maps.data_ptr(), st.output_bases.data_ptr(), st.map_width),
+                    end=end,
                 )
 
-            self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume)
+            self._transport(plan, SINK_NONE, [_Field(src, src, rb)], consume=consume, pub=pub)
             if out is not output:
                 output.copy_(out)
             return (src, out)
@@ -1195,7 +1265,7 @@ class NativeBackend:
                 src_lse = input_lse.contiguous()
                 recv_lse = st.scratch_rows("lse", plan.num_recv_rows, input_lse)
                 fields.append(_Field(src_lse, recv_lse, _row_bytes(src_lse)))
-            self._transport(plan, SINK_CONCAT, fields)
+            self._transport(plan, SINK_CONCAT, fields, pub=self._publish_table(plan, src, rb, fused=False)[0])
             idx = plan.indices_on(output.device)
             reduce_received(output, output_lse, recv, recv_lse, idx, reduce_op, acc_reduce)
             return (src, src_lse)
