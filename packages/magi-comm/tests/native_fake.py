@@ -335,7 +335,7 @@ class CopyLaunch:
         next(steps)  # the start of the kernel
         table = self.table
         if self.publish is not None:  # program 0 writes the headers; pulled rows are not sent
-            pulled = self._publish(pub)
+            pulled = self._publish(pub, words)
             if pulled:
                 dst = table.task_dst.clone()
                 dst[:, pulled] = -1
@@ -363,12 +363,12 @@ class CopyLaunch:
         self.table = table
         next(steps, None)  # the end
 
-    def _publish(self, pub) -> list[int]:
+    def _publish(self, pub, epochs) -> list[int]:
         """The kernel's publish step: per destination of the table, its pull-map header (the
         map where it accepts pulls and the table has one, else 0) into row ``rank`` of its
         pull-map area. Returns the destinations whose rows are not sent."""
         W = len(self.peers)
-        pub_peers, accepts, width = self.publish
+        pub_peers, accepts, width, decided = self.publish
         offs = _words_at(pub, W + 1, torch.int64).tolist()
         words = _words_at(pub, W + 1 + offs[W], torch.int64)[W + 1 :]
         peer_rows = _words_at(pub_peers, W, torch.int64).tolist()
@@ -387,6 +387,9 @@ class CopyLaunch:
                     self.world.published_maps += 1
                 else:
                     row[0] = 0
+                epoch = proto.unpack_peer(epochs[c])[0]
+                assert epoch > 0, "a publishing launch needs each destination's epoch"
+                _words_at(decided, W, torch.int64)[c] = 2 * epoch + int(c in pulled)
         return pulled
 
     def _progress_wanted(self, rows) -> bool:
@@ -502,7 +505,7 @@ def launch_reduce(
         _reduce_end(world, *end)
 
 
-def _reduce_end(world, hs, counter, accepts, done_words, wait_done) -> None:
+def _reduce_end(world, hs, counter, decided, done_words, wait_done) -> None:
     """The fused reduction's DONE step (its last program)."""
     W = len(done_words)
     peers = _words_at(hs.sig_peers, W, torch.int64).tolist()
@@ -511,11 +514,14 @@ def _reduce_end(world, hs, counter, accepts, done_words, wait_done) -> None:
         if src_epoch:
             world.done_signal(peers[c] + 8 * (proto.DONE * W + hs.rank), src_epoch)
     if wait_done:
-        acc = _words_at(accepts, W, torch.int64)
+        got = _words_at(decided, W, torch.int64)
         for c, word in enumerate(done_words):
             dst_epoch = proto.unpack_peer(word)[0]
-            if dst_epoch and int(acc[c]) == proto.PULL_ACCEPT:
-                world.done_wait(hs.sig + 8 * (proto.DONE * W + c), dst_epoch)
+            if dst_epoch:
+                # the send launch ran before (the fake runs the overlapped steps in order)
+                assert int(got[c]) >> 1 == dst_epoch, (int(got[c]), dst_epoch)
+                if int(got[c]) & 1:
+                    world.done_wait(hs.sig + 8 * (proto.DONE * W + c), dst_epoch)
 
 
 def reduce_tile_rows(E: int, waiting: bool = False) -> int:

@@ -361,13 +361,16 @@ def check_fused_reduce(
             sig_peers = torch.tensor([x.data_ptr() for x in sigs], dtype=torch.int64)
             counter = torch.zeros(4, dtype=torch.int32)
             hs = proto.Handshake(sigs[r].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), r)
-            accepts = torch.full((W,), proto.PULL_ACCEPT, dtype=torch.int64)
             dst = [c != r and plans[r].send_counts[c] > 0 for c in range(W)]
             src = [c != r and plans[r].recv_counts[c] > 0 for c in range(W)]
+            # our send of this call (epoch 5) left its rows to the even destinations
+            decided = torch.tensor(
+                [2 * 5 + (c % 2 == 0) if dst[c] else 0 for c in range(W)], dtype=torch.int64
+            )
             for c in range(W):
                 sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
             done = tuple(proto.pack_done(5 if dst[c] else 0, 3 + r if src[c] else 0) for c in range(W))
-            end = (hs, counter.data_ptr(), accepts.data_ptr(), done, r in pull_ranks)
+            end = (hs, counter.data_ptr(), decided.data_ptr(), done, r in pull_ranks)
             launch_reduce(
                 out,
                 inputs[r],
@@ -557,17 +560,28 @@ def main_triton_publish() -> None:
     regions = [torch.full((n,), -1, dtype=torch.int64) for _ in range(W)]
     peers = [regions[0].data_ptr(), None, regions[2].data_ptr()]
     src = torch.arange(100, 100 + n, dtype=torch.int64)
+    decided = torch.full((W,), -1, dtype=torch.int64)
+    publish = (pub_peers.data_ptr(), accepts.data_ptr(), width, decided.data_ptr())
     launch = CopyLaunch(to_blocks(task, 1, 4), peers, torch.int64, num_warps=1, handshake=hs, max_programs=2,
-                        fence=counter.data_ptr() + 8, publish=(pub_peers.data_ptr(), accepts.data_ptr(), width))  # fmt: skip
+                        fence=counter.data_ptr() + 8, publish=publish)  # fmt: skip
     with_maps = torch.tensor([0, 3, 3, 5, 5, 1000, 2000, 5, 3000], dtype=torch.int64)
-    launch(src.data_ptr(), 0, pub=with_maps.data_ptr())
+    epochs = (proto.pack_peer(7), proto.pack_peer(), proto.pack_peer(4))  # no handshake steps
+    launch(src.data_ptr(), 0, words=epochs, pub=with_maps.data_ptr())
     assert maps[0][me].tolist() == [5, 1000, 2000, 99], maps[0]  # peer 0 reads our input
     assert bool((regions[0] == -1).all()), regions[0]  # so nothing was sent to it
     assert int(maps[2][me, 0]) == 0 and torch.equal(regions[2], src), (maps[2], regions[2])
     assert bool((maps[me] == 99).all()) and bool((maps[0][[0, 2]] == 99).all())  # only row `me`
+    assert decided.tolist() == [2 * 7 + 1, -1, 2 * 4], decided  # pulled by 0 (epoch 7), not by 2
     zeros = torch.tensor([0, 1, 1, 2, 0, 0], dtype=torch.int64)
-    launch(src.data_ptr(), 0, pub=zeros.data_ptr())
+    launch(
+        src.data_ptr(),
+        0,
+        words=(proto.pack_peer(8), proto.pack_peer(), proto.pack_peer(5)),
+        pub=zeros.data_ptr(),
+    )
     assert int(maps[0][me, 0]) == 0 and torch.equal(regions[0], src), (maps[0], regions[0])
+    assert decided.tolist() == [2 * 8, -1, 2 * 5], decided
+    assert int(sigs[0].abs().sum() + sigs[2].abs().sum()) == 0  # no handshake step asked for
     try:
         launch(src.data_ptr(), 0)
     except ValueError as e:

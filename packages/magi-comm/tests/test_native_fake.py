@@ -423,3 +423,43 @@ def test_backend_builds_copy_launches_with_the_configured_cap(monkeypatch):
 
     native_fake.run_ranks(fw, rank_fn)
     assert fw.copy_program_caps == {7}
+
+
+@pytest.mark.parametrize("handshake", [True, False])
+def test_pull_with_ranks_switching_between_fused_and_staged(monkeypatch, handshake):
+    """Reduces from symmetric inputs where each rank takes the fused reduction (accepts pulls,
+    reads peers' inputs in place) or the staged one (does not accept) by its own choice, and
+    switches from call to call: every result equals the oracle, inputs stay untouched, rows
+    are read in place only where the receiver accepted, and no rank waits for a DONE its
+    destination will not send (a sender waits only where this call's send left its rows)."""
+    world = 3
+    fw = native_fake.installed(monkeypatch, world)
+    lay = _dense_layout(world)
+    cfg = {fused: NativeConfig(buffer_bytes=1 << 20, fused_reduce=fused, device_handshake=handshake)
+           for fused in (True, False)}  # fmt: skip
+
+    def rank_fn(rank):
+        plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
+        with (
+            NativeBackend("group", rank, world, cfg[True]) as fused,
+            NativeBackend("group", rank, world, cfg[False]) as staged,
+        ):
+            src = fused.empty_output((plan.num_input_rows, 4), torch.float32)
+            for step in range(8):
+                case = {"seed": 31, "row_shape": (4,)}
+                inputs = [
+                    lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=step)
+                    for r in range(world)
+                ]
+                src.copy_(inputs[rank])
+                old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
+                out = old.clone()
+                be = fused if (step + rank) % 3 else staged  # a different mix every call
+                be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
+                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
+                assert torch.equal(src, inputs[rank])
+            fused.free_output(src)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0

@@ -281,11 +281,14 @@ def _pulled_peers(pub, accepts, W: tl.constexpr):
 
 
 @triton.jit
-def _publish(pub, pub_peers, pulled, offs, W: tl.constexpr, ME: tl.constexpr, MAPW: tl.constexpr,
-             BLOCK: tl.constexpr):  # fmt: skip
+def _publish(pub, pub_peers, decided, pulled, offs, p0, p1, p2, p3, p4, p5, p6, p7, W: tl.constexpr,
+             ME: tl.constexpr, MAPW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Program 0 of a reduce send: write each destination's pull-map header into its row
-    ``ME`` (a map where the destination pulls, else 0). Released with the program's stores,
-    before the ready signal."""
+    ``ME`` (a map where the destination pulls, else 0), released with the program's stores
+    before the ready signal; and record the decision locally, ``decided[c] = 2 * epoch +
+    pulled`` (the epoch from the destination's word: the fused reduction's end step waits for
+    this call's decision, not for the accept word, which the destination may already have
+    changed for its next call)."""
     tab = pub.to(tl.pointer_type(tl.int64))
     for c in tl.static_range(W):
         lo = tl.load(tab + c)
@@ -294,7 +297,8 @@ def _publish(pub, pub_peers, pulled, offs, W: tl.constexpr, ME: tl.constexpr, MA
             row = (
                 tl.load(pub_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64)) + ME * MAPW
             )
-            if ((pulled >> c) & 1) != 0:
+            bit = (pulled >> c) & 1
+            if bit != 0:
                 i = 0
                 while i < hi - lo:
                     m = offs < hi - lo - i
@@ -303,6 +307,10 @@ def _publish(pub, pub_peers, pulled, offs, W: tl.constexpr, ME: tl.constexpr, MA
                     i += BLOCK
             else:
                 tl.store(row, 0)
+            epoch = (_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
+            tl.atomic_xchg(
+                decided.to(tl.pointer_type(tl.int64)) + c, 2 * epoch + bit, sem="release", scope="gpu"
+            )
 
 
 # ---- copy ----------------------------------------------------------------------------------
@@ -395,6 +403,7 @@ def _copy_kernel(
     alloc_base,
     pub_peers,
     accepts,
+    decided,
     fence,
     sig,
     sig_peers,
@@ -443,7 +452,9 @@ def _copy_kernel(
     if PUBLISH:
         pulled = _pulled_peers(pub, accepts, W)
         if pid == 0:
-            _publish(pub, pub_peers, pulled, offs, W, ME, MAPW, BLOCK)
+            _publish(
+                pub, pub_peers, decided, pulled, offs, p0, p1, p2, p3, p4, p5, p6, p7, W, ME, MAPW, BLOCK
+            )
     if PROG:
         # programs 0..G-1 copy, chunk by chunk; program G reports (see _report_progress)
         report = _progress_wanted(prog_rows, maps, W, DIRECT, MAPW)
@@ -609,13 +620,15 @@ class CopyLaunch:
         waits: ``(source, rows)`` device tables of
             :func:`~magi_comm.backends._native_layout.recv_waits` for a receive copy that
             waits for its rows (``AWAIT_ROWS``).
-        publish: ``(pub_peers, accepts, map_width)`` for a reduce's send (round 0): program 0
+        publish: ``(pub_peers, accepts, map_width, decided)`` for a reduce's send (round 0): program 0
             writes each destination's pull-map header, the publish table of the call (see
             :func:`~magi_comm.backends._native_layout.publish_table`), into row ``rank`` of
             that peer's pull-map area (``pub_peers``: address of an int64 ``(W,)`` table of
             those areas, NVLink-mapped; rows of ``map_width`` words), and rows for a
             destination that accepts pulls (``accepts``: address of the int64 ``(W,)`` accept
-            words) and gets a map are not sent. Needs the handshake's rank.
+            words) and gets a map are not sent; ``decided``: address of local int64 ``(W,)``
+            words where it records, per destination, ``2 * epoch + pulled`` (the epoch from the
+            call's words, given also without handshake steps). Needs the handshake's rank.
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
@@ -664,6 +677,7 @@ class CopyLaunch:
             direct[1] if direct else self.filler,
             publish[0] if publish else self.filler,
             publish[1] if publish else self.filler,
+            publish[3] if publish else self.filler,
             fence or self.filler,
             hs.sig if hs else self.filler,
             hs.sig_peers if hs else self.filler,
@@ -745,12 +759,14 @@ class CopyLaunch:
 
 
 @triton.jit
-def _reduce_end(sig, sig_peers, counter, accepts, d0, d1, d2, d3, d4, d5, d6, d7, W: tl.constexpr,
+def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W: tl.constexpr,
                 ME: tl.constexpr, WAIT_DONE: tl.constexpr):  # fmt: skip
     """The fused reduction's last program: raise ``DONE`` on every source to the pair's epoch
     (this rank no longer reads its input); with ``WAIT_DONE`` (our input may be read in place)
-    wait for ``DONE`` of every destination that accepts pulls. Reads are complete once every
-    program has counted itself (the values were used before), so GPU scope suffices there."""
+    wait for ``DONE`` of every destination this call's send left its rows to (``decided``,
+    written by the send kernel: waited for first, since the reduction may run beside it).
+    Reads are complete once every program has counted itself (the values were used before),
+    so GPU scope suffices there."""
     tl.debug_barrier()
     cnt = counter.to(tl.pointer_type(tl.int32))
     finished = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
@@ -765,9 +781,14 @@ def _reduce_end(sig, sig_peers, counter, accepts, d0, d1, d2, d3, d4, d5, d6, d7
             slots = sig.to(tl.pointer_type(tl.int64))
             for c in tl.static_range(W):
                 dst_epoch = (_word(c, d0, d1, d2, d3, d4, d5, d6, d7) >> 32) & 0x3FFFFFFF
-                accept = tl.load(accepts.to(tl.pointer_type(tl.int64)) + c, volatile=True)
-                if (dst_epoch > 0) & (accept == PULL_ACCEPT):
-                    _await_at_least(slots + DONE * W + c, dst_epoch)
+                if dst_epoch > 0:
+                    at = decided.to(tl.pointer_type(tl.int64)) + c
+                    got = tl.load(at, volatile=True)
+                    while (got >> 1) < dst_epoch:
+                        got = tl.load(at, volatile=True)
+                    got = tl.atomic_add(at, 0, sem="acquire", scope="gpu")
+                    if (got & 1) != 0:
+                        _await_at_least(slots + DONE * W + c, dst_epoch)
 
 
 @triton.jit(do_not_specialize=_PEER_ARGS + _DONE_ARGS)
@@ -800,7 +821,7 @@ def _reduce_kernel(
     term_pull,
     pull_maps,
     alloc_base,
-    accepts,
+    decided,
     sig_peers,
     counter,
     n_rows,
@@ -901,7 +922,7 @@ def _reduce_kernel(
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
         tile += tl.num_programs(0)
     if END:
-        _reduce_end(sig, sig_peers, counter, accepts, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE)
+        _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE)
 
 
 _reduce = _Compiled(_reduce_kernel)
@@ -953,10 +974,10 @@ def launch_reduce(
             ``pull_maps`` the address of the local int64 ``(W, map_width)`` pull-map area,
             ``alloc_base`` of the int64 ``(allocations, W)`` table of peers' symmetric
             allocations). None: every peer term is in the regions.
-        end: ``(handshake, counter, accepts, done_words, wait_done)``: the DONE step after the
+        end: ``(handshake, counter, decided, done_words, wait_done)``: the DONE step after the
             last tile (:mod:`magi_comm.backends._native_protocol`): ``counter`` the address of
-            a local int32, zero between launches, ``accepts`` of the local int64 ``(W,)``
-            accept words, ``done_words`` one :func:`~magi_comm.backends._native_protocol.pack_done`
+            a local int32, zero between launches, ``decided`` of the local int64 ``(W,)``
+            decisions of the call's send (see :class:`CopyLaunch`, ``publish``), ``done_words`` one :func:`~magi_comm.backends._native_protocol.pack_done`
             word per peer; ``wait_done``: our input may be read in place (wait for the
             destinations). The launch then runs even without rows.
     """
@@ -979,17 +1000,17 @@ def launch_reduce(
     rb = E * es
     term_pull, pull_maps, alloc_base, mapw = pull if pull else (nterms, region, region, 1)
     if end is not None:
-        hs, counter, accepts, done, wait_done = end
+        hs, counter, decided, done, wait_done = end
         sig_peers, me = hs.sig_peers, hs.rank
         if waits is not None and sig != hs.sig:
             raise ValueError("launch_reduce: waits and end must name the same signal array")
         sig = hs.sig
     else:
-        sig_peers, counter, accepts, done, wait_done, me = region, region, region, (), False, 0
+        sig_peers, counter, decided, done, wait_done, me = region, region, region, (), False, 0
     peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
     done_words = (*done, *(IDLE_WORD,) * (PEER_WORDS - len(done)))
     args = (out, inp, region, term_row, term_self, nterms, need, order, sig, *peer_words, *done_words, term_pull,
-            pull_maps, alloc_base, accepts, sig_peers, counter, n_rows, E)  # fmt: skip
+            pull_maps, alloc_base, decided, sig_peers, counter, n_rows, E)  # fmt: skip
     consts = dict(TERMS=W, BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
                   W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause(), PULL=int(pull is not None),
                   PV=16 // es if rb % 16 == 0 else 1, ES=es, MAPW=mapw, ME=me, END=int(end is not None),

@@ -444,6 +444,8 @@ class _GroupState:
         pull_peers = [_peer_path(nvc, self.pull_maps, self.rank, pe).data_ptr() for pe in range(W)]
         self.pull_peers = torch.tensor(pull_peers, dtype=torch.int64).to(self.device)
         self.accept_words = torch.tensor([0, PULL_ACCEPT], dtype=torch.int64).to(self.device)
+        # per destination, what the last reduce send decided: 2 * epoch + (its rows were left)
+        self.pull_decided = torch.zeros(W, dtype=torch.int64, device=self.device)
         self.outputs: list[torch.Tensor | None] = [None] * config.max_outputs
         self.output_spans: dict[int, tuple[int, int]] = {}  # live output index -> (start, end) address
         self.output_gen = [0] * config.max_outputs  # allocations made in each slot so far
@@ -811,7 +813,12 @@ class NativeBackend:
             direct = (st.maps.data_ptr(), st.output_bases.data_ptr(), st.map_width)
             direct = direct if sink_kind == SINK_SCATTER else None
             # a reduce's first send (of the first field) publishes the pull-map headers
-            publish = (st.pull_peers.data_ptr(), st.accepts.data_ptr(), st.map_width)
+            publish = (
+                st.pull_peers.data_ptr(),
+                st.accepts.data_ptr(),
+                st.map_width,
+                st.pull_decided.data_ptr(),
+            )
             publish = None if sink_kind == SINK_SCATTER else publish
             # block tables go to the device on the group stream, ahead of the kernels reading them
             with torch.cuda.stream(st.stream):
@@ -909,8 +916,15 @@ class NativeBackend:
                 else:  # d consumed our previous round
                     st.acks_seen[d] += 1
                     st.wait(ACK, d, st.acks_seen[d])
+            # the publishing launch records its decisions under each destination's epoch
+            epochs = tuple(
+                pack_peer(st.arms_seen[c] if c in rnd.send_peers else 0) for c in range(self.world_size)
+            )
             for f, (src, sink, _local, runs) in enumerate(prepared):
-                runs[k][0](src, sink, stream, pub=pub if k == 0 and f == 0 else 0)
+                if k == 0 and f == 0 and pub:
+                    runs[k][0](src, sink, stream, words=epochs, pub=pub)
+                else:
+                    runs[k][0](src, sink, stream)
             for d in rnd.send_peers:
                 st.sent[d] += 1
                 st.signal(READY, d)
@@ -1234,7 +1248,13 @@ class NativeBackend:
                         words,
                         self.config.max_programs or _CONSUMER_PROGRAMS,
                     )
-                end = (st.handshake, st.reduce_counter, st.accepts.data_ptr(), self._done_words(plan), pulled)
+                end = (
+                    st.handshake,
+                    st.reduce_counter,
+                    st.pull_decided.data_ptr(),
+                    self._done_words(plan),
+                    pulled,
+                )
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
