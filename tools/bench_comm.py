@@ -20,7 +20,8 @@ overlaps). The same bytes define the raw limits:
 * ``raw kernel``: the native copy kernel storing S MiB into a peer (SM stores over NVLink).
 
 ``cast-sym`` is the native cast into an output from ``GroupCollective.empty_output`` (symmetric
-heap: direct mode, peers write the rows straight into it). Before timing, native (both
+heap: direct mode, peers write the rows straight into it); ``reduce-sym`` the native reduce of
+an input from ``empty_output`` (pull: receivers read the rows from it in place over NVLink). Before timing, native (both
 outputs) and a2av outputs are compared bitwise. Prints one line per measurement
 and a final markdown table (rank 0).
 """
@@ -275,6 +276,13 @@ def run_size(
     nat.group_reduce(part, red_n, outs, ins, src, dst).wait()
     a2a.group_reduce(part, red_a, outs, ins, src, dst).wait()
     ok_red = torch.equal(red_n.view(torch.int16), red_a.view(torch.int16))
+    # pull: the partial rows live in the symmetric heap, receivers read them in place
+    part_d = nat.empty_output(part.shape, torch.bfloat16)
+    part_d.copy_(part)
+    red_d = acc0.clone()
+    nat.group_reduce(part_d, red_d, outs, ins, src, dst).wait()
+    ok_red &= torch.equal(red_d.view(torch.int16), red_a.view(torch.int16))
+    ok_red &= torch.equal(part_d.view(torch.int16), part.view(torch.int16))
     if nat_host is not None:
         out_h = torch.full_like(out_n, float("nan"))
         nat_host.group_cast(x, out_h, ins, outs, dst, src).wait()
@@ -309,18 +317,23 @@ def run_size(
     def reduce_a():
         a2a.group_reduce(part, red, outs, ins, src, dst)
 
+    def reduce_d():
+        nat.group_reduce(part_d, red, outs, ins, src, dst)
+
     if profile:
         for name, fn in (
             ("native cast", cast_n),
             ("native cast-sym", cast_d),
             ("a2av cast", cast_a),
             ("native reduce", reduce_n),
+            ("native reduce-sym", reduce_d),
         ):
             if rank == 0:
                 print(f"== {name} {mib:.0f} MiB", flush=True)
             host_profile(fn, rank)
             trace(fn, rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
         nat.free_output(out_d)
+        nat.free_output(part_d)
         return
     for ahead, tag in ((False, ""), (True, " ahead")):
         if nat_host is not None:
@@ -333,6 +346,7 @@ def run_size(
         log("cast-sym", mib, "native" + tag, timed(cast_d, iters, 3, ahead), cross)
         log("cast", mib, "a2av" + tag, timed(cast_a, iters, 3, ahead), cross)
         log("reduce", mib, "native" + tag, timed(reduce_n, iters, 3, ahead), cross)
+        log("reduce-sym", mib, "native" + tag, timed(reduce_d, iters, 3, ahead), cross)
         log("reduce", mib, "a2av" + tag, timed(reduce_a, iters, 3, ahead), cross)
 
     # raw limits: every rank pushes S into the next rank's symmetric buffer (no native call
@@ -361,6 +375,7 @@ def run_size(
         torch.cuda.synchronize()
         dist.barrier()
     nat.free_output(out_d)
+    nat.free_output(part_d)
 
 
 def main() -> int:
@@ -425,6 +440,7 @@ def main() -> int:
         print(f"\n## magi-comm GroupCast / GroupReduce, {world} x {torch.cuda.get_device_name()}")
         print("GB/s of bytes crossing GPUs per rank (S x (W-1)); raw = every rank pushing S to a peer;")
         print("cast-sym: the output from empty_output (symmetric heap: direct mode, no receive copy)")
+        print("reduce-sym: the input from empty_output (symmetric heap: receivers read it in place)")
         print("back to back: calls issued one after the other, host path included; host ahead: the")
         print("host enqueued every call before the GPU reached the first (device time alone)\n")
         print("native-host: the handshake through NVSHMEM's on-stream operations (--compare-handshake)\n")
@@ -433,7 +449,7 @@ def main() -> int:
         )
         print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        for op in ("cast", "cast-sym", "reduce"):
+        for op in ("cast", "cast-sym", "reduce", "reduce-sym"):
             for mib in sizes:
                 rc, rk = by.get(("raw", mib, "copy")), by.get(("raw", mib, "kernel"))
                 for tag, timing in (("", "back to back"), (" ahead", "host ahead")):

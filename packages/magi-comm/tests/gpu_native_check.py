@@ -116,7 +116,7 @@ def compare_cast(lib, nat, a2a, case, dtype, tally: Tally, rank: int, world: int
 
 def compare_reduce(lib, nat, a2a, case, dtype, op, acc, tally, rank, world, device, tag):
     lay = case["layout"]
-    ins, outs, dst, src = lay.reduce_args(rank)
+    ins, outs, dst, src_idx = lay.reduce_args(rank)
     inputs = [lib.rank_data(case, r, sum(lay.out_sizes[r]), dtype) for r in range(world)]
     rows = sum(lay.in_sizes[rank])
     old = lib.rank_data(case, rank, rows, dtype, salt=1)
@@ -132,7 +132,7 @@ def compare_reduce(lib, nat, a2a, case, dtype, op, acc, tally, rank, world, devi
             if op == "lse":
                 out_lse = old_lse.to(device, copy=True)
                 kw.update(input_lse=in_lses[rank].to(device), output_lse=out_lse)
-            gc.group_reduce(inputs[rank].to(device), out, ins, outs, dst, src, **kw).wait()
+            gc.group_reduce(inputs[rank].to(device), out, ins, outs, dst, src_idx, **kw).wait()
             results.append((name, out.cpu(), out_lse.cpu() if op == "lse" else None))
     (_, ref, ref_lse), nat_runs = results[0], results[1:]
     what = f"{dtype} {op} acc={acc} {case['row_shape']}"
@@ -151,6 +151,24 @@ def compare_reduce(lib, nat, a2a, case, dtype, op, acc, tally, rank, world, devi
     else:
         exp = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, op, acc)
         tally.record(f"{tag} reduce native==oracle ({op})", _bitwise(nat_runs[0][1], exp), what)
+        # pull: an input in the symmetric heap (collective allocation); per case and rank some
+        # ranks reduce from it (at row 0 or 1: the second is not 16-byte aligned for small
+        # rows, then its rows are sent) and others from a plain tensor: mixed modes, 3 runs
+        n_in = inputs[rank].shape[0]
+        sym = nat.empty_output((n_in + 1, *case["row_shape"]), dtype)
+        use = (case["seed"] + rank) % 3
+        src = inputs[rank].to(device)
+        if use:
+            src = sym[use - 1 : use - 1 + n_in]
+            src.copy_(inputs[rank].to(device))
+        runs = []
+        for _ in range(3):
+            out = old.to(device, copy=True)
+            nat.group_reduce(src, out, ins, outs, dst, src_idx, **kw).wait()
+            runs.append(out.cpu())
+        ok = all(_bitwise(o, exp) for o in runs) and _bitwise(src.cpu(), inputs[rank])
+        tally.record(f"{tag} reduce native symmetric in==oracle x3 ({op})", ok, f"{what} use={use}")
+        nat.free_output(sym)
 
 
 def run_big(lib, nat, a2a, tally, rank, world, device, tag, seed, n, max_size):

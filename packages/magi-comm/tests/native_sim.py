@@ -309,7 +309,7 @@ def _pull_setup(plans, inputs, pull_ranks, r: int, width: int, rb: int):
 
 
 def check_fused_reduce(
-    lay, R, dtype, op, acc, use_triton=False, E=3, waits=False, pull_ranks=frozenset()
+    lay, R, dtype, op, acc, use_triton=False, E=3, waits=False, pull_ranks=frozenset(), device="cpu"
 ) -> None:
     """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
     ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
@@ -317,7 +317,8 @@ def check_fused_reduce(
     ``pull_ranks``: sources whose rows are not sent: they publish a map of their input and
     the receivers read the rows there (the regions keep their poison for those); with Triton
     the reduction also runs its DONE step (raised on every source, awaited for a pulled
-    input: the slots already hold the epoch)."""
+    input: the slots already hold the epoch). ``device``: where the Triton kernel runs (the
+    interpreter on "cpu", the compiled kernel on a GPU; every rank's memory on that device)."""
     W = lay.world
     plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
     scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
@@ -335,63 +336,71 @@ def check_fused_reduce(
             peers = [None if d == r else regions[d].view(-1).view(_WORD[w]) for d in range(W)]
             apply_blocks(bt, inputs[r].view(-1).view(_WORD[w]), torch.empty(0, dtype=_WORD[w]), peers, W)
     width = 1 + max([len(p.send_split_ids[d]) for p in plans for d in range(W)], default=0)
+    on = [x.to(device) for x in inputs]  # the inputs the pulled rows are read from
     for r in range(W):
         term_row, term_self, nterms = build_reduce_terms(plans[r], R)
-        maps, bases = _pull_setup(plans, inputs, pull_ranks, r, width, E * w)
-        pull = (
-            build_pull_terms(plans[r], term_row, term_self, nterms, R),
-            maps.data_ptr(),
-            bases.data_ptr(),
-            width,
-        )
+        term_pull = build_pull_terms(plans[r], term_row, term_self, nterms, R)
+        maps, bases = (x.to(device) for x in _pull_setup(plans, on, pull_ranks, r, width, E * w))
         out = olds[r].clone()
         if use_triton:
-            from magi_comm.backends import _native_protocol as proto
-            from magi_comm.backends._native_kernels import launch_reduce, reduce_tile_rows
-            from magi_comm.backends._native_layout import arrival_order, reduce_waits
-
-            # the DONE step: every source gets epoch 3 + r; our destinations already signalled 5
-            sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
-            wait_args = None
-            if waits:
-                sigs[r], words = _satisfied_signals(W, R, r)
-                need = reduce_waits(term_row, term_self, nterms, r, W, R, reduce_tile_rows(E, True))
-                order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
-                wait_args = (need, order, sigs[r].data_ptr(), words, 2)
-            sig_peers = torch.tensor([x.data_ptr() for x in sigs], dtype=torch.int64)
-            counter = torch.zeros(4, dtype=torch.int32)
-            hs = proto.Handshake(sigs[r].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), r)
-            dst = [c != r and plans[r].send_counts[c] > 0 for c in range(W)]
-            src = [c != r and plans[r].recv_counts[c] > 0 for c in range(W)]
-            # our send of this call (epoch 5) left its rows to the even destinations
-            decided = torch.tensor(
-                [2 * 5 + (c % 2 == 0) if dst[c] else 0 for c in range(W)], dtype=torch.int64
-            )
-            for c in range(W):
-                sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
-            done = tuple(proto.pack_done(5 if dst[c] else 0, 3 + r if src[c] else 0) for c in range(W))
-            end = (hs, counter.data_ptr(), decided.data_ptr(), done, r in pull_ranks)
-            launch_reduce(
-                out,
-                inputs[r],
-                regions[r].data_ptr(),
-                term_row,
-                term_self,
-                nterms,
-                acc_reduce=acc,
-                average=op == "avg",
-                waits=wait_args,
-                pull=pull,
-                end=end,
-            )
-            for c in range(W):
-                assert int(sigs[c][proto.DONE * W + r]) == (3 + r if src[c] else 0), (r, c, sigs[c])
-            assert int(counter[0]) == 0, counter
+            out = _triton_fused_reduce(plans, r, R, E, on, regions[r], olds[r], (term_row, term_self, nterms),
+                                       (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks, device)  # fmt: skip
         else:
+            pull = (term_pull, maps.data_ptr(), bases.data_ptr(), width)
             reg, _ = pulled_region(regions[r].clone(), term_row, term_self, nterms, pull)
             _fused_reference(out, inputs[r], reg, term_row, term_self, nterms, acc, op == "avg")
         exp = lib.reduce_oracle_sum_avg(lay, inputs, r, olds[r], op, acc)
         assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay, pull_ranks)
+
+
+def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, acc, waits, pulled, device):
+    """Rank ``r``'s fused reduction by the Triton kernel on ``device`` (see check_fused_reduce),
+    with its DONE step: every source gets epoch 3 + r; our send of this call (epoch 5) left its
+    rows to the even destinations, which already signalled DONE. Returns the output (CPU)."""
+    from magi_comm.backends import _native_protocol as proto
+    from magi_comm.backends._native_kernels import launch_reduce, reduce_tile_rows
+    from magi_comm.backends._native_layout import arrival_order, reduce_waits
+
+    W = len(plans)
+    term_row, term_self, nterms = terms
+    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
+    dst = [c != r and plans[r].send_counts[c] > 0 for c in range(W)]
+    src = [c != r and plans[r].recv_counts[c] > 0 for c in range(W)]
+    wait_args = None
+    if waits:
+        sigs[r], words = _satisfied_signals(W, R, r)
+        need = reduce_waits(term_row, term_self, nterms, r, W, R, reduce_tile_rows(E, True))
+        order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
+    for c in range(W):
+        sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
+    sigs = [x.to(device) for x in sigs]
+    if waits:
+        wait_args = (need.to(device), order.to(device), sigs[r].data_ptr(), words, 2)
+    sig_peers = torch.tensor([x.data_ptr() for x in sigs], dtype=torch.int64).to(device)
+    counter = torch.zeros(4, dtype=torch.int32, device=device)
+    hs = proto.Handshake(sigs[r].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), r)
+    decided = torch.tensor([2 * 5 + (c % 2 == 0) if dst[c] else 0 for c in range(W)], dtype=torch.int64)
+    decided = decided.to(device)
+    done = tuple(proto.pack_done(5 if dst[c] else 0, 3 + r if src[c] else 0) for c in range(W))
+    term_pull, maps, bases, width = pull
+    out = old.to(device, copy=True)
+    region, tables = region.to(device), [t.to(device) for t in (term_row, term_self, nterms, term_pull)]
+    launch_reduce(
+        out,
+        inputs[r],
+        region.data_ptr(),
+        *tables[:3],
+        acc_reduce=acc,
+        average=op == "avg",
+        waits=wait_args,
+        pull=(tables[3], maps.data_ptr(), bases.data_ptr(), width),
+        end=(hs, counter.data_ptr(), decided.data_ptr(), done, pulled),
+    )
+    sigs = [x.cpu() for x in sigs]
+    for c in range(W):
+        assert int(sigs[c][proto.DONE * W + r]) == (3 + r if src[c] else 0), (r, c, sigs[c])
+    assert int(counter[0]) == 0, counter
+    return out.cpu()
 
 
 def main_triton_reduce(n: int = 16) -> None:
@@ -538,41 +547,48 @@ def main_triton_overlap() -> None:
     print("native_sim overlap triton ok", file=sys.stderr)
 
 
-def main_triton_publish() -> None:
+def main_triton_publish(device: str = "cpu") -> None:
     """Entry point: a reduce's send launch publishes pull maps under TRITON_INTERPRET=1.
 
     Rank 1 of 3 sends 8 words to peers 0 and 2. Peer 0 accepts pulls and the publish table
     has a map for it: the map lands in row 1 of peer 0's pull-map area and its region stays
     untouched; peer 2 does not accept: header 0 there, its rows arrive. A second launch with
-    the header-0 table (a plain input) sends to both and clears peer 0's header."""
+    the header-0 table (a plain input) sends to both and clears peer 0's header. ``device``:
+    where the kernel runs (the interpreter on "cpu"; twice per launch on a GPU, the second
+    through the cached compiled kernel)."""
     from magi_comm.backends import _native_protocol as proto
     from magi_comm.backends._native_kernels import CopyLaunch
 
     W, me, n, width = 3, 1, 8, 4
-    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
-    sig_peers = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
-    counter = torch.zeros(4, dtype=torch.int32)
+
+    def on(t):
+        return t.to(device)
+
+    sigs = [on(torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64)) for _ in range(W)]
+    sig_peers = on(torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64))
+    counter = on(torch.zeros(4, dtype=torch.int32))
     hs = proto.Handshake(sigs[me].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
-    maps = [torch.full((W, width), 99, dtype=torch.int64) for _ in range(W)]
-    pub_peers = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
-    accepts = torch.tensor([proto.PULL_ACCEPT, 0, 0], dtype=torch.int64)
+    maps = [on(torch.full((W, width), 99, dtype=torch.int64)) for _ in range(W)]
+    pub_peers = on(torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64))
+    accepts = on(torch.tensor([proto.PULL_ACCEPT, 0, 0], dtype=torch.int64))
     task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0, -1]]))
-    regions = [torch.full((n,), -1, dtype=torch.int64) for _ in range(W)]
+    regions = [on(torch.full((n,), -1, dtype=torch.int64)) for _ in range(W)]
     peers = [regions[0].data_ptr(), None, regions[2].data_ptr()]
-    src = torch.arange(100, 100 + n, dtype=torch.int64)
-    decided = torch.full((W,), -1, dtype=torch.int64)
+    src = on(torch.arange(100, 100 + n, dtype=torch.int64))
+    decided = on(torch.full((W,), -1, dtype=torch.int64))
     publish = (pub_peers.data_ptr(), accepts.data_ptr(), width, decided.data_ptr())
-    launch = CopyLaunch(to_blocks(task, 1, 4), peers, torch.int64, num_warps=1, handshake=hs, max_programs=2,
+    launch = CopyLaunch(to_blocks(task, 1, 4).to(device), peers, torch.int64, num_warps=1, handshake=hs, max_programs=2,
                         fence=counter.data_ptr() + 8, publish=publish)  # fmt: skip
-    with_maps = torch.tensor([0, 3, 3, 5, 5, 1000, 2000, 5, 3000], dtype=torch.int64)
+    with_maps = on(torch.tensor([0, 3, 3, 5, 5, 1000, 2000, 5, 3000], dtype=torch.int64))
     epochs = (proto.pack_peer(7), proto.pack_peer(), proto.pack_peer(4))  # no handshake steps
-    launch(src.data_ptr(), 0, words=epochs, pub=with_maps.data_ptr())
+    for _ in range(1 if device == "cpu" else 2):
+        launch(src.data_ptr(), 0, words=epochs, pub=with_maps.data_ptr())
     assert maps[0][me].tolist() == [5, 1000, 2000, 99], maps[0]  # peer 0 reads our input
     assert bool((regions[0] == -1).all()), regions[0]  # so nothing was sent to it
     assert int(maps[2][me, 0]) == 0 and torch.equal(regions[2], src), (maps[2], regions[2])
     assert bool((maps[me] == 99).all()) and bool((maps[0][[0, 2]] == 99).all())  # only row `me`
     assert decided.tolist() == [2 * 7 + 1, -1, 2 * 4], decided  # pulled by 0 (epoch 7), not by 2
-    zeros = torch.tensor([0, 1, 1, 2, 0, 0], dtype=torch.int64)
+    zeros = on(torch.tensor([0, 1, 1, 2, 0, 0], dtype=torch.int64))
     launch(
         src.data_ptr(),
         0,
