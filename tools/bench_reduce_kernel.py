@@ -1,7 +1,8 @@
 """The native backend's fused reduction kernel alone, on one GPU: terms from the receive regions
 vs terms read in place from the source's input (the pull path), for rank 0 of bench_comm's
 2-rank reduce layout. Every "peer" address is local here, so this times the kernel's own cost
-(loads, address arithmetic, the DONE step), not NVLink; bench_comm times the transport.
+(loads, address arithmetic, the DONE step), not NVLink; bench_comm times the transport. The
+device time alone is timed (the host enqueues every call while the GPU sleeps).
 
     source .dk/bin/env.sh && python tools/bench_reduce_kernel.py [--sizes 16,64] [--iters 50]
 
@@ -22,11 +23,13 @@ from bench_comm import ROW, ROW_BYTES, layout
 
 
 def _time(fn, iters: int) -> float:
-    """Seconds per call (CUDA events, after warm-up)."""
+    """Seconds per call on the device alone: the GPU first sleeps (~0.1 ms per call) while the
+    host enqueues every call, so the launch path's host time is hidden (CUDA events)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(iters * 200_000)
     a.record()
     for _ in range(iters):
         fn()
@@ -35,7 +38,9 @@ def _time(fn, iters: int) -> float:
     return a.elapsed_time(b) / 1e3 / iters
 
 
-def run(mib: float, iters: int) -> list[tuple[str, float, float]]:
+def run(mib: float, iters: int, shapes=((None, None),)) -> list[tuple[str, float, float]]:
+    """Per (tile rows, warps) in ``shapes`` (None: the default) both paths, then the copy:
+    ``(name, seconds, GB/s of peer bytes)``; every configuration's result is checked bitwise."""
     from magi_comm._plan import build_reduce_plan
     from magi_comm.backends import _native_protocol as proto
     from magi_comm.backends._native_kernels import launch_reduce
@@ -76,26 +81,34 @@ def run(mib: float, iters: int) -> list[tuple[str, float, float]]:
     out = torch.randn((plans[me].num_output_rows, E), device=dev).to(torch.bfloat16)
     outs = {}
 
-    def reduce(pulled: bool):
+    def reduce(pulled: bool, rows, warps):
         m = tables[4].clone() if pulled else torch.zeros_like(tables[4])
         reg = region if not pulled else torch.full_like(region, float("nan"))
 
         def call():
             launch_reduce(out, inputs[me], reg.data_ptr(), *tables[:3], acc_reduce=True, average=False,
                           pull=(tables[3], m.data_ptr(), tables[5].data_ptr(), width),
-                          end=(hs, counter.data_ptr(), decided.data_ptr(), done, False))  # fmt: skip
+                          end=(hs, counter.data_ptr(), decided.data_ptr(), done, False), tile_rows=rows,
+                          num_warps=warps)  # fmt: skip
 
         return call, (m, reg)
 
     keep, results = [], []
-    for name, pulled in (("regions", False), ("pull", True)):
-        call, k = reduce(pulled)
-        keep.append(k)
-        out.zero_()
-        call()
-        outs[name] = out.clone()
-        results.append((name, _time(call, iters)))
-    assert torch.equal(outs["regions"], outs["pull"]), "pull and region terms differ"
+    for rows, warps in shapes:
+        tag = (
+            ""
+            if rows is None and warps is None
+            else f" {rows or 'default'} rows x {warps or 'default'} warps"
+        )
+        for name, pulled in (("regions", False), ("pull", True)):
+            call, k = reduce(pulled, rows, warps)
+            keep.append(k)
+            out.zero_()
+            call()
+            outs[name + tag] = out.clone()
+            results.append((name + tag, _time(call, iters)))
+    ref = next(iter(outs.values()))
+    assert all(torch.equal(o, ref) for o in outs.values()), "paths or shapes disagree"
     nbytes = R * E * 2
     a, b = (
         torch.empty(nbytes, dtype=torch.uint8, device=dev),
@@ -109,11 +122,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="16,64", help="MiB the peer sends (bench_comm's S)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="tile rows 1..64 x warps 1..16")
+    ap.add_argument("--shapes", default="", help="tile shapes to time, 'rows x warps,...' (e.g. 1x4,2x8)")
     args = ap.parse_args()
+    shapes = (
+        [(r, w) for r in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16)] if args.sweep else [(None, None)]
+    )
+    if args.shapes:
+        shapes = [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
     print(f"## fused reduction kernel alone, {torch.cuda.get_device_name()}\n")
     print("| MiB | path | us | GB/s of peer bytes |\n|---:|---|---:|---:|")
     for mib in (float(s) for s in args.sizes.split(",")):
-        for name, sec, gbs in run(mib, args.iters):
+        run(mib, 3, shapes[:1])  # warm-up (clocks, caches)
+        for name, sec, gbs in run(mib, args.iters, shapes):
             print(f"| {mib:g} | {name} | {sec * 1e6:.1f} | {gbs:.0f} |", flush=True)
     return 0
 

@@ -931,9 +931,15 @@ _reduce = _Compiled(_reduce_kernel)
 def reduce_tile_rows(E: int, waiting: bool = False) -> int:
     """Rows per tile of the fused reduction for rows of ``E`` elements (the tables of
     :func:`~magi_comm.backends._native_layout.reduce_waits` are cut the same way). A waiting
-    reduction's programs stride over the tiles: larger tiles keep more loads in flight."""
+    reduction's programs stride over the tiles: larger tiles keep more loads in flight. Else
+    small tiles of about 1024 elements, 2 warps each (``REDUCE_WARPS``): on an H100 the
+    fastest of a sweep of 1-64 rows x 1-16 warps for rows of 1024 bf16 (tools/
+    bench_reduce_kernel.py, docs/perf.md: 64 MiB 108 us, 4 rows x 8 warps 174 us)."""
     bc = min(triton.next_power_of_2(max(E, 1)), 1024)
-    return max(1, min(64, (16384 if waiting else 4096) // bc))
+    return max(1, min(64, (16384 if waiting else 1024) // bc))
+
+
+REDUCE_WARPS = {False: 2, True: 8}  # warps per program of the fused reduction, by waiting
 
 
 def launch_reduce(
@@ -950,6 +956,8 @@ def launch_reduce(
     waits: tuple[torch.Tensor, int, tuple[int, ...], int] | None = None,
     pull: tuple[torch.Tensor, int, int, int] | None = None,
     end: tuple[Handshake, int, int, tuple[int, ...], bool] | None = None,
+    tile_rows: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -980,13 +988,16 @@ def launch_reduce(
             decisions of the call's send (see :class:`CopyLaunch`, ``publish``), ``done_words`` one :func:`~magi_comm.backends._native_protocol.pack_done`
             word per peer; ``wait_done``: our input may be read in place (wait for the
             destinations). The launch then runs even without rows.
+        tile_rows / num_warps: the tile height (default :func:`reduce_tile_rows`; a waiting
+            reduction must keep the default, its wait tables are cut by it) and the warps per
+            program (default ``REDUCE_WARPS``; tools/bench_reduce_kernel.py sweeps both).
     """
     n_rows, E = out.shape[0], out.shape[1]
     if (n_rows == 0 or E == 0) and end is None:
         return
     region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
     bc = min(triton.next_power_of_2(max(E, 1)), 1024)
-    br = reduce_tile_rows(E, waits is not None)
+    br = tile_rows or reduce_tile_rows(E, waits is not None)
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
     W = term_row.shape[1]
     ntiles = triton.cdiv(n_rows, br) * triton.cdiv(E, bc)
@@ -1015,4 +1026,4 @@ def launch_reduce(
                   W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause(), PULL=int(pull is not None),
                   PV=16 // es if rb % 16 == 0 else 1, ES=es, MAPW=mapw, ME=me, END=int(end is not None),
                   WAIT_DONE=int(bool(wait_done)))  # fmt: skip
-    _reduce(grid, args, consts, 8, stream)
+    _reduce(grid, args, consts, num_warps or REDUCE_WARPS[waits is not None], stream)
