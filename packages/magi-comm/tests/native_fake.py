@@ -143,29 +143,33 @@ class FakeWorld:
             self.kernel_signals += 1
             self.cond.notify_all()
 
-    def kernel_max(self, addr: int, value: int) -> None:
+    def _raise_slot(self, addr: int, value: int, *counters: str) -> None:
+        """An atomic max on the int64 at ``addr``, counted in ``counters``."""
         with self.cond:
             slot = _words_at(addr, 1, torch.int64)
             slot[0] = max(int(slot[0]), value)
-            self.kernel_signals += 1
-            self.progress_signals += 1
+            for name in counters:
+                setattr(self, name, getattr(self, name) + 1)
             self.cond.notify_all()
+
+    def kernel_max(self, addr: int, value: int) -> None:
+        self._raise_slot(addr, value, "kernel_signals", "progress_signals")
 
     def done_signal(self, addr: int, value: int) -> None:
-        """The fused reduction's DONE (an atomic max; counted apart from the handshake's
-        signals: the host-handshake path runs it too)."""
-        with self.cond:
-            slot = _words_at(addr, 1, torch.int64)
-            slot[0] = max(int(slot[0]), value)
-            self.done_signals += 1
-            self.cond.notify_all()
+        """The fused reduction's DONE (counted apart from the handshake's signals: the
+        host-handshake path runs it too)."""
+        self._raise_slot(addr, value, "done_signals")
 
-    def done_wait(self, addr: int, value: int) -> None:
+    def _await_slot(self, addr: int, value: int, counter: str, what: str) -> None:
+        """Block until the int64 at ``addr`` is >= ``value`` (a timeout means a deadlock)."""
         slot = _words_at(addr, 1, torch.int64)
         with self.cond:
-            self.done_waits += 1
+            setattr(self, counter, getattr(self, counter) + 1)
             if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
-                raise TimeoutError(f"PE {self.pe}: DONE wait for >= {value} timed out (deadlock)")
+                raise TimeoutError(f"PE {self.pe}: {what} wait for >= {value} timed out (deadlock)")
+
+    def done_wait(self, addr: int, value: int) -> None:
+        self._await_slot(addr, value, "done_waits", "DONE")
 
     def kernel_wait_rows(self, progress: int, want: int, ready: int, ready_want: int) -> None:
         """Wait until the slot at ``progress`` reaches ``want`` or the one at ``ready`` reaches
@@ -178,11 +182,7 @@ class FakeWorld:
             self.row_waits_by_progress += int(int(p[0]) >= want and int(r[0]) < ready_want)
 
     def kernel_wait(self, addr: int, value: int) -> None:
-        slot = _words_at(addr, 1, torch.int64)
-        with self.cond:
-            self.kernel_waits += 1
-            if not self.cond.wait_for(lambda: int(slot[0]) >= value, timeout=TIMEOUT):
-                raise TimeoutError(f"PE {self.pe}: kernel wait for >= {value} timed out (deadlock)")
+        self._await_slot(addr, value, "kernel_waits", "kernel")
 
     def barrier_all_on_stream(self, stream):
         self.barrier.wait()

@@ -187,11 +187,14 @@ class GroupCollective:
     def empty_output(
         self, shape, dtype: torch.dtype, device: torch.device | str | None = None
     ) -> torch.Tensor:
-        """Collective: an uninitialized ``shape`` / ``dtype`` tensor to receive group_cast rows in.
+        """Collective: an uninitialized ``shape`` / ``dtype`` tensor to receive group_cast rows in
+        (or to hold group_reduce input rows).
 
         With the native backend it lives in the NVSHMEM symmetric heap (on this rank's GPU;
         ``device`` is ignored) and a group_cast into it, or into a contiguous 16-byte aligned
-        row range of it, skips the receive copy: peers write the rows straight into it. Shapes
+        row range of it, skips the receive copy: peers write the rows straight into it; a
+        group_reduce from it (rows of a multiple of 16 bytes, 16-byte aligned) sends nothing
+        to receivers that take the fused reduction: they read the rows there. Shapes
         may differ per rank; ranks allocate and free their outputs in the same order. Other
         backends return ``torch.empty(shape, dtype=dtype, device=device)``, where ``device=None``
         means the current CUDA device if the group communicates through NCCL, else the CPU, so

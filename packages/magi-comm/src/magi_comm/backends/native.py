@@ -65,9 +65,17 @@ Design (details of the layout in :mod:`magi_comm.backends._native_layout`)
   when a single row does not fit: row size and dtype are the same on every rank, so all
   ranks take that decision at the same call. :meth:`NativeBackend.reserve` grows it
   explicitly (collective).
-* **GroupReduce.** Transported like a cast into a receive scratch laid out like the a2av
-  backend's, then reduced by :mod:`magi_comm._reduce` (float32 accumulation, existing output
-  first, sources ascending): bitwise deterministic and bitwise equal to a2av.
+* **GroupReduce.** ``sum`` / ``avg`` whose pairs fit one region: the fused reduction kernel
+  reads every term where it lies (own rows in the input, peer rows in the regions); the
+  others are transported like a cast into a receive scratch laid out like the a2av backend's,
+  then reduced by :mod:`magi_comm._reduce`. Both: float32 accumulation, existing output
+  first, sources ascending: bitwise deterministic and bitwise equal to a2av.
+* **Pull (group_reduce from a symmetric input).** A receiver of the fused reduction accepts
+  pulls (a word put with its arm); a sender whose input lies 16-byte aligned in a symmetric
+  output publishes its pair splits' offsets to such a receiver instead of sending the rows,
+  the receiver's fused reduction reads them from the sender's input over NVLink and raises
+  ``DONE``, and the sender waits for that before its call ends
+  (:mod:`magi_comm.backends._native_protocol`). Ranks choose per call, independently.
 * **Internode seam.** :func:`_peer_path` decides per peer how rows get there. Today every peer
   must be NVLink-mapped (``nvshmem_ptr`` != NULL); otherwise construction fails with a clear
   message. An NVSHMEM put path would, for such a peer, stage the round's rows for it in a
@@ -695,7 +703,8 @@ class NativeBackend:
         """Collective: an uninitialized tensor of ``shape`` / ``dtype`` in the NVSHMEM symmetric
         heap, on this rank's GPU. A group_cast into it (or into a contiguous, 16-byte aligned
         row range of it) runs in direct mode: peers write the rows straight into it, without
-        the receive copy. Shapes may differ per rank (the allocation takes the largest). Free
+        the receive copy; a group_reduce from it leaves the rows there for receivers of the
+        fused reduction (pull). Shapes may differ per rank (the allocation takes the largest). Free
         it with :meth:`free_output` (collective) or let :meth:`close` free it."""
         st = self._require()
         if not isinstance(dtype, torch.dtype):
