@@ -86,7 +86,7 @@ def run(mib: float, iters: int, shapes=((None, None),)) -> list[tuple[str, float
         reg = region if not pulled else torch.full_like(region, float("nan"))
 
         def call():
-            launch_reduce(out, inputs[me], reg.data_ptr(), *tables[:3], acc_reduce=True, average=False,
+            launch_reduce(out, inputs[me], reg, *tables[:3], acc_reduce=True, average=False,
                           pull=(tables[3], m.data_ptr(), tables[5].data_ptr(), width),
                           end=(hs, counter.data_ptr(), decided.data_ptr(), done, False), tile_rows=rows,
                           num_warps=warps)  # fmt: skip

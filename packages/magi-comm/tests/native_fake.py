@@ -491,7 +491,7 @@ def launch_reduce(
     rows = int(peer.max()) + 1 if peer.numel() else 0
     nbytes = rows * E * out.element_size()
     if nbytes:
-        raw = (ctypes.c_char * nbytes).from_address(region)
+        raw = (ctypes.c_char * nbytes).from_address(region.data_ptr())
         reg = torch.frombuffer(raw, dtype=out.dtype).view(rows, E)
     else:
         reg = out[:0]

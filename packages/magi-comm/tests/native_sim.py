@@ -388,7 +388,7 @@ def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, a
     launch_reduce(
         out,
         inputs[r],
-        region.data_ptr(),
+        region,
         *tables[:3],
         acc_reduce=acc,
         average=op == "avg",

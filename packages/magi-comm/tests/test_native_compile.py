@@ -21,6 +21,7 @@ if importlib.util.find_spec("triton") is None:
 
 import native_fake
 import test_native_fake as cases
+import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
@@ -46,7 +47,8 @@ class CompileOnly:
         with self.lock:
             self._compile(launcher, args, consts, num_warps)
 
-    def _compile(self, launcher, args, consts, num_warps) -> None:
+    def _compile(self, launcher, args, consts, num_warps):
+        """The compiled kernel (None when this specialization was compiled before)."""
         fn = launcher.jit_fn
         free = set(fn.do_not_specialize)
         signature, constexprs, attrs = {}, {}, {}
@@ -73,8 +75,9 @@ class CompileOnly:
         if spec in self.compiled:
             return
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        triton.compile(src, target=HOPPER, options={"num_warps": num_warps})
+        kernel = triton.compile(src, target=HOPPER, options={"num_warps": num_warps})
         self.compiled.add(spec)
+        return kernel
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -125,3 +128,43 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert names == {"_copy_kernel", "_reduce_kernel"}, names
     assert len(compiler.compiled) > 20, len(compiler.compiled)
     assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
+    """The fused reduction of 16-byte rows (1024 bf16) reads every term, from the regions and
+    pulled from a peer's input, with 16-byte vector loads on sm_90 (a pointer made from an
+    integer address, or a hint on the wrong dimension, turns them into 2-byte loads)."""
+    from magi_comm.backends import _native_protocol as proto
+
+    compiler, ptx = CompileOnly(), []
+    monkeypatch.setattr(
+        kernels._Compiled,
+        "__call__",
+        lambda self, grid, args, consts, num_warps, stream, key=None: ptx.append(
+            compiler._compile(self, args, consts, num_warps).asm["ptx"]
+        ),
+    )
+    monkeypatch.setattr(kernels._Compiled, "direct", True, raising=False)
+    W, E, n = 2, 1024, 8
+    out = torch.zeros((n, E), dtype=torch.bfloat16)
+    inp = torch.zeros((n, E), dtype=torch.bfloat16)
+    region = torch.zeros(n * E * 2, dtype=torch.uint8)
+    term_row = torch.zeros((n, W), dtype=torch.int64)
+    term_self = torch.zeros((n, W), dtype=torch.int8)
+    nterms = torch.ones(n, dtype=torch.int64)
+    words = torch.zeros(64, dtype=torch.int64)
+    hs = proto.Handshake(words.data_ptr(), words.data_ptr(), words.data_ptr(), 0)
+    extra = {}
+    if pull:
+        extra = dict(
+            pull=(term_row, words.data_ptr(), words.data_ptr(), 9),
+            end=(hs, words.data_ptr(), words.data_ptr(), (proto.pack_done(),) * W, True),
+        )
+    kernels.launch_reduce(
+        out, inp, region, term_row, term_self, nterms, acc_reduce=True, average=False, **extra
+    )
+    (code,) = ptx
+    assert "ld.global.b16" not in code and "ld.global.u16" not in code, "2-byte data loads"
+    # per term: the own input and the region (and the pulled input); and the output
+    assert code.count("ld.global.v4") >= (4 if pull else 3), code.count("ld.global.v4")

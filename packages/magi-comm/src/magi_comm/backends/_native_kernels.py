@@ -796,6 +796,7 @@ def _reduce_kernel(
     out,
     inp,
     region,
+    region_addr,
     term_row,
     term_self,
     nterms,
@@ -850,8 +851,9 @@ def _reduce_kernel(
     # PULL: a peer term whose source published a map (``pull_maps`` row c: [1 + allocation,
     # byte offset of each pair split], ``alloc_base``: the peers' allocations) is read from that
     # source's input over NVLink (``term_pull``: source, pair split, row inside it), the
-    # others from the regions; addresses become element offsets from ``region`` (16-byte
-    # aligned) so that the loads stay PV-element vectors. END: the DONE step (_reduce_end).
+    # others from the regions; addresses become element offsets from ``region`` (a tensor
+    # argument: the compiler knows its 16-byte alignment, which a pointer made from an integer
+    # would lose) so that the loads stay PV-element vectors. END: the DONE step (_reduce_end).
     ncb = tl.cdiv(E, BC)
     ntiles = tl.cdiv(n_rows, BR) * ncb
     tile = tl.program_id(0)
@@ -887,7 +889,6 @@ def _reduce_kernel(
             toff = tr[:, None] * E + cols[None, :]
             mk = m & has[:, None]
             vs = tl.load(inp + toff, mask=mk & ts[:, None], other=0)
-            reg = region.to(tl.pointer_type(out.dtype.element_ty))
             if PULL:
                 # per-row values as (BR, 1) tiles from the start (1-D rows mixed with 2-D
                 # vector loads trip Triton's layout pass); unmasked loads at clamped indices
@@ -904,13 +905,13 @@ def _reduce_kernel(
                 split = (tp >> _PUB_SHIFT_SPLIT) & _PUB_SPLIT_MASK
                 entry = tl.load(maps_row + tl.where(pulled, 1 + split, 0))
                 within = tp & _PUB_ROW_MASK
-                poff = tl.where(pulled, (base + entry - region) // ES + within * E, 0)
-                poff = tl.multiple_of(poff, [PV, 1])
-                vp = tl.load(reg + poff + cols[None, :], mask=mk & pulled, other=0)
-                vr = tl.load(reg + toff, mask=mk & ~ts[:, None] & ~pulled, other=0)
+                poff = tl.where(pulled, (base + entry - region_addr) // ES + within * E, 0)
+                poff = tl.multiple_of(poff, [PV, PV])
+                vp = tl.load(region + poff + cols[None, :], mask=mk & pulled, other=0)
+                vr = tl.load(region + toff, mask=mk & ~ts[:, None] & ~pulled, other=0)
                 vr = tl.where(pulled, vp, vr)
             else:
-                vr = tl.load(reg + toff, mask=mk & ~ts[:, None], other=0)
+                vr = tl.load(region + toff, mask=mk & ~ts[:, None], other=0)
             v = tl.where(ts[:, None], vs, vr).to(ACC_DT)
             acc = tl.where(has[:, None], acc + v, acc)
         if AVG:
@@ -945,7 +946,7 @@ REDUCE_WARPS = {False: 2, True: 8}  # warps per program of the fused reduction, 
 def launch_reduce(
     out: torch.Tensor,
     inp: torch.Tensor,
-    region: int,
+    region: torch.Tensor | None,
     term_row: torch.Tensor,
     term_self: torch.Tensor,
     nterms: torch.Tensor,
@@ -965,8 +966,8 @@ def launch_reduce(
         out: ``(N_out, E)`` contiguous, float16 / bfloat16 / float32 / float64; read when
             ``acc_reduce``, overwritten.
         inp: the rank's contiguous input viewed ``(N_in, E)``, same dtype (own terms).
-        region: address of the local receive regions (rows of ``E`` elements of ``out.dtype``,
-            peer terms; 16-byte aligned when ``pull`` is given).
+        region: the local receive regions (any dtype, read as rows of ``E`` elements of
+            ``out.dtype``: peer terms; 16-byte aligned); None when there are none.
         term_row / term_self / nterms: from
             :func:`magi_comm.backends._native_layout.build_reduce_terms`, on ``out``'s device.
         waits: ``(need, order, sig, words, max_programs)`` to run beside the transfer
@@ -995,7 +996,9 @@ def launch_reduce(
     n_rows, E = out.shape[0], out.shape[1]
     if (n_rows == 0 or E == 0) and end is None:
         return
-    region = region or out.data_ptr()  # never 0: keep the 64-bit address specialization
+    # the regions as a tensor of out's dtype (its alignment known to the compiler: vector loads)
+    region = out if region is None or region.numel() == 0 else region.view(-1).view(out.dtype)
+    region_addr = region.data_ptr()
     bc = min(triton.next_power_of_2(max(E, 1)), 1024)
     br = tile_rows or reduce_tile_rows(E, waits is not None)
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
@@ -1009,7 +1012,7 @@ def launch_reduce(
         grid = (max(min(ntiles, cap) if cap else ntiles, 1), 1, 1)
     es = out.element_size()
     rb = E * es
-    term_pull, pull_maps, alloc_base, mapw = pull if pull else (nterms, region, region, 1)
+    term_pull, pull_maps, alloc_base, mapw = pull if pull else (nterms, region_addr, region_addr, 1)
     if end is not None:
         hs, counter, decided, done, wait_done = end
         sig_peers, me = hs.sig_peers, hs.rank
@@ -1017,10 +1020,11 @@ def launch_reduce(
             raise ValueError("launch_reduce: waits and end must name the same signal array")
         sig = hs.sig
     else:
-        sig_peers, counter, decided, done, wait_done, me = region, region, region, (), False, 0
+        sig_peers, counter, decided, done, wait_done, me = region_addr, region_addr, region_addr, (), False, 0
     peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
     done_words = (*done, *(IDLE_WORD,) * (PEER_WORDS - len(done)))
-    args = (out, inp, region, term_row, term_self, nterms, need, order, sig, *peer_words, *done_words, term_pull,
+    args = (out, inp, region, region_addr, term_row, term_self, nterms, need, order, sig, *peer_words, *done_words,
+            term_pull,
             pull_maps, alloc_base, decided, sig_peers, counter, n_rows, E)  # fmt: skip
     consts = dict(TERMS=W, BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
                   W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=_pause(), PULL=int(pull is not None),

@@ -1267,7 +1267,7 @@ class NativeBackend:
                 self._kernels.launch_reduce(
                     out.view(out.shape[0], E),
                     src.view(src.shape[0], E),
-                    st.buf.data_ptr(),
+                    st.buf,
                     term_row,
                     term_self,
                     nterms,
