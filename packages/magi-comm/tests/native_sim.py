@@ -260,6 +260,8 @@ def pulled_region(reg, term_row, term_self, nterms, pull) -> tuple[torch.Tensor,
             c = tp >> PULL_SOURCE_SHIFT
             split = (tp >> PULL_SPLIT_SHIFT) & ((1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1)
             within = tp & ((1 << PULL_SPLIT_SHIFT) - 1)
+            if split >= width - 1:  # not in a map row: the kernel reads the region
+                continue
             row = _host_words(pull_maps + 8 * c * width, 2 + split)
             if int(row[0]) <= 0:
                 continue

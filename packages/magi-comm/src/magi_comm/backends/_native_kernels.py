@@ -898,11 +898,11 @@ def _reduce_kernel(
                 c = tl.where(peer_term, (tp >> _PUB_SHIFT_SRC) & 0xFF, 0)
                 maps_row = pull_maps.to(tl.pointer_type(tl.int64)) + c * MAPW
                 hdr = tl.load(maps_row)
-                pulled = peer_term & (hdr > 0)
+                split = (tp >> _PUB_SHIFT_SPLIT) & _PUB_SPLIT_MASK
+                pulled = peer_term & (hdr > 0) & (split < MAPW - 1)  # a map row holds MAPW - 1 splits
                 base = tl.load(
                     alloc_base.to(tl.pointer_type(tl.int64)) + tl.where(pulled, (hdr - 1) * W + c, 0)
                 )
-                split = (tp >> _PUB_SHIFT_SPLIT) & _PUB_SPLIT_MASK
                 entry = tl.load(maps_row + tl.where(pulled, 1 + split, 0))
                 within = tp & _PUB_ROW_MASK
                 poff = tl.where(pulled, (base + entry - region_addr) // ES + within * E, 0)

@@ -643,6 +643,12 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of two contiguous tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _row_bytes(t: torch.Tensor) -> int:
     return torch.Size(t.shape[1:]).numel() * t.element_size()
 
@@ -1129,14 +1135,17 @@ class NativeBackend:
             plan._on_device[key] = terms
         return terms
 
-    def _publish_table(self, plan, src: torch.Tensor, rb: int, fused: bool) -> tuple[int, bool]:
+    def _publish_table(self, plan, src: torch.Tensor, rb: int, fused: bool, out: torch.Tensor | None = None):
         """``(address, pulled)`` of the publish table a reduce of ``src`` (rows of ``rb``
-        bytes) sends with: its pair splits' offsets when ``fused`` and ``src`` lies 16-byte
-        aligned in a symmetric output (receivers that accept may read the rows there:
-        ``pulled``), else header 0 for every destination. Cached on the plan (the pull maps
-        for the last few inputs, keyed like the direct-mode maps)."""
+        bytes) into ``out`` sends with: its pair splits' offsets when ``fused`` and ``src``
+        lies 16-byte aligned in a symmetric output and does not overlap ``out`` (our own
+        reduction writes ``out`` while receivers may still read ``src``): receivers that
+        accept may read the rows there (``pulled``); else header 0 for every destination.
+        Cached on the plan (the pull maps for the last few inputs, keyed like the direct-mode
+        maps)."""
         st = self._require()
-        a = st.output_index(src) if fused and rb % 16 == 0 and src.data_ptr() % 16 == 0 else None
+        apart = out is None or not _overlap(src, out)
+        a = st.output_index(src) if fused and apart and rb % 16 == 0 and src.data_ptr() % 16 == 0 else None
         cache = plan._on_device.setdefault("native-publish", {})
         key = None if a is None else (a, st.output_gen[a], src.data_ptr(), rb)
         table = cache.pop(key, None)
@@ -1245,7 +1254,7 @@ class NativeBackend:
             out = output if output.is_contiguous() else output.contiguous()
             E = torch.Size(out.shape[1:]).numel()
             term_row, term_self, nterms, need, order, term_pull = self._terms(plan, R, out.device, E)
-            pub, pulled = self._publish_table(plan, src, rb, fused=True)
+            pub, pulled = self._publish_table(plan, src, rb, fused=True, out=out)
 
             def consume(stream, words):
                 waits = None
