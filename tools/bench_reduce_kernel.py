@@ -44,7 +44,12 @@ def run(mib: float, iters: int, shapes=((None, None),)) -> list[tuple[str, float
     from magi_comm._plan import build_reduce_plan
     from magi_comm.backends import _native_protocol as proto
     from magi_comm.backends._native_kernels import launch_reduce
-    from magi_comm.backends._native_layout import build_pull_terms, build_reduce_terms, publish_table
+    from magi_comm.backends._native_layout import (
+        build_pull_terms,
+        build_reduce_terms,
+        publish_row,
+        publish_table,
+    )
 
     W, dev = 2, torch.device("cuda")
     rows = int(mib * (1 << 20)) // ROW_BYTES
@@ -66,10 +71,9 @@ def run(mib: float, iters: int, shapes=((None, None),)) -> list[tuple[str, float
     term_row, term_self, nterms = build_reduce_terms(plans[me], R)
     term_pull = build_pull_terms(plans[me], term_row, term_self, nterms, R)
     width = 1 + max(len(x) for x in plans[peer].send_split_ids)
-    table = publish_table(plans[peer], width, (0, 0, E * 2))
-    lo, hi = int(table[me]), int(table[me + 1])
+    row = publish_row(publish_table(plans[peer], width, (0, 0, E * 2)), W, me)
     maps = torch.zeros((W, width), dtype=torch.int64)
-    maps[peer, : hi - lo] = table[W + 1 + lo : W + 1 + hi]
+    maps[peer, : row.numel()] = row
     bases = torch.tensor([[0, inputs[peer].data_ptr()]], dtype=torch.int64)
     tables = [t.to(dev) for t in (term_row, term_self, nterms, term_pull, maps, bases)]
     sig = torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64, device=dev)

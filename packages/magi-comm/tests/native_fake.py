@@ -26,7 +26,7 @@ import native_sim
 import torch
 
 from magi_comm.backends import _native_protocol as proto
-from magi_comm.backends._native_layout import apply_blocks
+from magi_comm.backends._native_layout import apply_blocks, publish_row
 
 TIMEOUT = 30.0
 
@@ -369,20 +369,19 @@ class CopyLaunch:
         pull-map area. Returns the destinations whose rows are not sent."""
         W = len(self.peers)
         pub_peers, accepts, width, decided = self.publish
-        offs = _words_at(pub, W + 1, torch.int64).tolist()
-        words = _words_at(pub, W + 1 + offs[W], torch.int64)[W + 1 :]
+        table = _words_at(pub, W + 1 + int(_words_at(pub, W + 1, torch.int64)[W]), torch.int64)
         peer_rows = _words_at(pub_peers, W, torch.int64).tolist()
         accept = _words_at(accepts, W, torch.int64).tolist()
         pulled = []
         for c in range(W):
-            lo, hi = offs[c], offs[c + 1]
-            if hi == lo:
+            mine = publish_row(table, W, c)
+            if mine.numel() == 0:
                 continue
-            assert hi - lo <= width, "a published map is wider than a map row"
-            row = _words_at(peer_rows[c] + 8 * self.handshake.rank * width, hi - lo, torch.int64)
+            assert mine.numel() <= width, "a published map is wider than a map row"
+            row = _words_at(peer_rows[c] + 8 * self.handshake.rank * width, mine.numel(), torch.int64)
             with self.world.cond:
-                if int(words[lo]) > 0 and accept[c] == proto.PULL_ACCEPT:
-                    row.copy_(words[lo:hi])
+                if int(mine[0]) > 0 and accept[c] == proto.PULL_ACCEPT:
+                    row.copy_(mine)
                     pulled.append(c)
                     self.world.published_maps += 1
                 else:

@@ -18,8 +18,6 @@ import torch
 
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends._native_layout import (
-    PULL_SOURCE_SHIFT,
-    PULL_SPLIT_SHIFT,
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
@@ -28,9 +26,11 @@ from magi_comm.backends._native_layout import (
     build_pull_terms,
     build_reduce_terms,
     build_schedule,
+    publish_row,
     publish_table,
     region_index,
     to_blocks,
+    unpack_pull_term,
 )
 
 ROW_WORDS = 3
@@ -257,9 +257,7 @@ def pulled_region(reg, term_row, term_self, nterms, pull) -> tuple[torch.Tensor,
             tp = int(term_pull[j, k])
             if term_self[j, k] or tp < 0:
                 continue
-            c = tp >> PULL_SOURCE_SHIFT
-            split = (tp >> PULL_SPLIT_SHIFT) & ((1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1)
-            within = tp & ((1 << PULL_SPLIT_SHIFT) - 1)
+            c, split, within = unpack_pull_term(tp)
             if split >= width - 1:  # not in a map row: the kernel reads the region
                 continue
             row = _host_words(pull_maps + 8 * c * width, 2 + split)
@@ -303,9 +301,7 @@ def _pull_setup(plans, inputs, pull_ranks, r: int, width: int, rb: int):
         if s == r or plans[s].send_counts[r] == 0:
             continue
         bases[s, s] = inputs[s].data_ptr()
-        table = publish_table(plans[s], width, (s, 0, rb))
-        lo, hi = int(table[r]), int(table[r + 1])
-        row = table[W + 1 + lo : W + 1 + hi]
+        row = publish_row(publish_table(plans[s], width, (s, 0, rb)), W, r)
         maps[s, : row.numel()] = row
     return maps, bases
 

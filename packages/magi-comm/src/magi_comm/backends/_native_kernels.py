@@ -47,7 +47,14 @@ import triton
 import triton.language as tl
 
 from . import _native_protocol as proto
-from ._native_layout import MAX_PEERS, PULL_SOURCE_SHIFT, PULL_SPLIT_SHIFT, BlockTable
+from ._native_layout import (
+    MAX_PEERS,
+    PULL_ROW_MASK,
+    PULL_SOURCE_SHIFT,
+    PULL_SPLIT_MASK,
+    PULL_SPLIT_SHIFT,
+    BlockTable,
+)
 from ._native_protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake
 
 __all__ = ["CopyLaunch", "launch_reduce"]
@@ -60,8 +67,8 @@ DONE = tl.constexpr(proto.DONE)
 PULL_ACCEPT = tl.constexpr(proto.PULL_ACCEPT)
 _PUB_SHIFT_SRC = tl.constexpr(PULL_SOURCE_SHIFT)
 _PUB_SHIFT_SPLIT = tl.constexpr(PULL_SPLIT_SHIFT)
-_PUB_SPLIT_MASK = tl.constexpr((1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1)
-_PUB_ROW_MASK = tl.constexpr((1 << PULL_SPLIT_SHIFT) - 1)
+_PUB_SPLIT_MASK = tl.constexpr(PULL_SPLIT_MASK)
+_PUB_ROW_MASK = tl.constexpr(PULL_ROW_MASK)
 _PEER_ARGS = [f"p{c}" for c in range(PEER_WORDS)]
 _DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
 _POLL_PAUSE_NS = 500
@@ -333,9 +340,11 @@ def _put_peer(
 ):  # fmt: skip
     # Peer COL's region in its receive buffer, unless the peer published a map of its output
     # (header > 0 = 1 + the symmetric allocation holding it): then straight into its output.
-    # Addresses from tables become word offsets from ``anchor`` (a 16-byte aligned argument):
-    # the compiler knows the alignment of the argument and of the offset (multiple_of), so the
-    # stores stay 16-byte vectors; a pointer loaded from memory would lose that.
+    # Addresses from tables become word offsets from ``anchor`` with a VEC alignment hint.
+    # ``anchor`` is an integer, and a pointer made from an integer carries no alignment, so
+    # the stores compile to single words (sm_90 PTX: st.global.b64 for int64 words), not the
+    # 16-byte vectors the hint is meant for; the fused reduction passes its base as a tensor
+    # for that reason (measured there, docs/perf.md). Not changed here: unmeasured over NVLink.
     off = tl.load(task_dst + t * (W + 1) + COL)
     if (off >= 0) & (((pulled >> COL) & 1) == 0):
         target = tl.load(peers + COL)
@@ -935,7 +944,7 @@ def reduce_tile_rows(E: int, waiting: bool = False) -> int:
     reduction's programs stride over the tiles: larger tiles keep more loads in flight. Else
     small tiles of about 1024 elements, 2 warps each (``REDUCE_WARPS``): on an H100 the
     fastest of a sweep of 1-64 rows x 1-16 warps for rows of 1024 bf16 (tools/
-    bench_reduce_kernel.py, docs/perf.md: 64 MiB 108 us, 4 rows x 8 warps 174 us)."""
+    bench_reduce_kernel.py, docs/perf.md: 64 MiB 101 us, 4 rows x 8 warps 135 us)."""
     bc = min(triton.next_power_of_2(max(E, 1)), 1024)
     return max(1, min(64, (16384 if waiting else 1024) // bc))
 

@@ -49,7 +49,9 @@ from .._plan import _prefix
 
 __all__ = [
     "MAX_PEERS",
+    "PULL_ROW_MASK",
     "PULL_SOURCE_SHIFT",
+    "PULL_SPLIT_MASK",
     "PULL_SPLIT_SHIFT",
     "SINK_CONCAT",
     "SINK_NONE",
@@ -65,6 +67,7 @@ __all__ = [
     "bytes_needed",
     "field_offsets",
     "grown_capacity",
+    "publish_row",
     "publish_table",
     "recv_waits",
     "reduce_waits",
@@ -72,6 +75,7 @@ __all__ = [
     "region_rows",
     "send_progress",
     "to_blocks",
+    "unpack_pull_term",
     "word_size",
 ]
 
@@ -85,6 +89,8 @@ _ALIGN = 16  # bytes; field areas and the capacity are multiples of this
 # A pull term (build_pull_terms): source << 56 | pair split << 32 | row inside the split.
 PULL_SOURCE_SHIFT = 56
 PULL_SPLIT_SHIFT = 32
+PULL_SPLIT_MASK = (1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT)) - 1
+PULL_ROW_MASK = (1 << PULL_SPLIT_SHIFT) - 1
 _UNBOUNDED = 1 << 62  # region_rows when there is no peer (world size 1)
 
 
@@ -393,7 +399,7 @@ def build_pull_terms(plan, term_row: torch.Tensor, term_self: torch.Tensor, nter
         if s == r or not bool(here.any()):
             continue
         sizes = torch.tensor([plan.output_split_sizes[j] for j in plan.recv_split_ids[s]], dtype=torch.int64)
-        if sizes.numel() >= 1 << (PULL_SOURCE_SHIFT - PULL_SPLIT_SHIFT):
+        if sizes.numel() > PULL_SPLIT_MASK:
             raise ValueError(
                 f"build_pull_terms: {sizes.numel()} splits from rank {s} do not fit the encoding"
             )
@@ -402,6 +408,11 @@ def build_pull_terms(plan, term_row: torch.Tensor, term_self: torch.Tensor, nter
         within = q[here] - (ends - sizes)[j]
         out[here] = s << PULL_SOURCE_SHIFT | j << PULL_SPLIT_SHIFT | within
     return out
+
+
+def unpack_pull_term(term: int) -> tuple[int, int, int]:
+    """Inverse of the encoding of :func:`build_pull_terms`: ``(source, split, row)``."""
+    return term >> PULL_SOURCE_SHIFT, (term >> PULL_SPLIT_SHIFT) & PULL_SPLIT_MASK, term & PULL_ROW_MASK
 
 
 def publish_table(plan, map_width: int, pull: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -430,6 +441,12 @@ def publish_table(plan, map_width: int, pull: tuple[int, int, int] | None = None
         rows.append([1 + alloc] + [offset + in_off[i] * rb for i in ids])
     offsets = [*_prefix([len(x) for x in rows]), sum(len(x) for x in rows)]
     return torch.tensor(offsets + [w for row in rows for w in row], dtype=torch.int64)
+
+
+def publish_row(table: torch.Tensor, world_size: int, c: int) -> torch.Tensor:
+    """Row ``c`` of a :func:`publish_table` (what destination ``c`` finds in its pull map)."""
+    lo, hi = int(table[c]), int(table[c + 1])
+    return table[world_size + 1 + lo : world_size + 1 + hi]
 
 
 # --------------------------------------------------------------------------------------------

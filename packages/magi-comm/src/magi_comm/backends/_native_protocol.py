@@ -45,9 +45,11 @@ that destination are not sent: the receiver reads them from the sender's input o
 else ``0`` (the rows are in the receiver's region). The fused reduction reads each source's
 header after that source's ready signal. Its last program then raises slot ``(DONE, rank)``
 on every source to the pair's epoch (atomic max, like ``PROGRESS``: no count to agree on),
-and a sender that published a map waits there for ``DONE`` of each destination that accepts
-pulls before its call ends (the caller may overwrite its input afterwards). Every rank
-reduces before it waits, so this cannot deadlock.
+and a sender waits there for ``DONE`` of each destination its send left the rows to before
+its call ends (the caller may overwrite its input afterwards). That decision is the send
+launch's own record (``2 * epoch + pulled`` per destination), not the accept word, which the
+destination may already have changed for its next call. Every rank reduces before it waits,
+so this cannot deadlock.
 
 Per call the kernel gets one packed int64 per peer (:func:`pack_peer`): the waits change with
 every call, and Triton must not specialize on them (the tag bit keeps them 64-bit). The fused

@@ -442,7 +442,8 @@ class _GroupState:
         self.map_width = 1 + config.map_entries
         self.maps = nvc.tensor((W * self.map_width,), dtype=torch.int64)
         self.maps.zero_()
-        self.staged_header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # what an arm puts for "rows through my region": header 0 of a cast, accept word 0
+        self.zero_word = torch.zeros(1, dtype=torch.int64, device=self.device)
         # Pull (group_reduce from a symmetric input): word d of ``accepts`` is destination d's
         # accept word for our sends, row s of ``pull_maps`` where source s's rows for us lie.
         self.accepts = nvc.tensor((W,), dtype=torch.int64)
@@ -451,7 +452,7 @@ class _GroupState:
         self.pull_maps.zero_()
         pull_peers = [_peer_path(nvc, self.pull_maps, self.rank, pe).data_ptr() for pe in range(W)]
         self.pull_peers = torch.tensor(pull_peers, dtype=torch.int64).to(self.device)
-        self.accept_words = torch.tensor([0, PULL_ACCEPT], dtype=torch.int64).to(self.device)
+        self.accept_word = torch.tensor([PULL_ACCEPT], dtype=torch.int64).to(self.device)
         # per destination, what the last reduce send decided: 2 * epoch + (its rows were left)
         self.pull_decided = torch.zeros(W, dtype=torch.int64, device=self.device)
         self.outputs: list[torch.Tensor | None] = [None] * config.max_outputs
@@ -641,6 +642,19 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _recent(plan, name: str, key, build):
+    """``build()``, cached on ``plan`` under ``name`` for the last ``_MAPS_PER_PLAN`` keys (maps
+    and publish tables of the last few symmetric tensors a plan was used with)."""
+    cache = plan._on_device.setdefault(name, {})
+    value = cache.pop(key, None)
+    if value is None:
+        value = build()
+    cache[key] = value  # most recent last
+    while len(cache) > _MAPS_PER_PLAN:
+        del cache[next(iter(cache))]
+    return value
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -931,15 +945,16 @@ class NativeBackend:
                 else:  # d consumed our previous round
                     st.acks_seen[d] += 1
                     st.wait(ACK, d, st.acks_seen[d])
-            # the publishing launch records its decisions under each destination's epoch
-            epochs = tuple(
-                pack_peer(st.arms_seen[c] if c in rnd.send_peers else 0) for c in range(self.world_size)
-            )
-            for f, (src, sink, _local, runs) in enumerate(prepared):
-                if k == 0 and f == 0 and pub:
-                    runs[k][0](src, sink, stream, words=epochs, pub=pub)
-                else:
-                    runs[k][0](src, sink, stream)
+            for src, sink, _local, runs in prepared:
+                send = runs[k][0]
+                if send.publish is None:
+                    send(src, sink, stream)
+                    continue
+                # the publishing launch records its decisions under each destination's epoch
+                epochs = tuple(
+                    pack_peer(st.arms_seen[c] if c in rnd.send_peers else 0) for c in range(self.world_size)
+                )
+                send(src, sink, stream, words=epochs, pub=pub)
             for d in rnd.send_peers:
                 st.sent[d] += 1
                 st.signal(READY, d)
@@ -970,9 +985,9 @@ class NativeBackend:
             if st.accept_sent[s] == word:
                 return None
             st.accept_sent[s] = word
-            at = st.accept_words.data_ptr() + 8 * int(word == PULL_ACCEPT)
+            at = (st.accept_word if word == PULL_ACCEPT else st.zero_word).data_ptr()
             return (at, 8, st.accepts.data_ptr() + 8 * self.rank)
-        header = maps[s] if maps is not None else (st.staged_header.data_ptr(), 8, 0)
+        header = maps[s] if maps is not None else (st.zero_word.data_ptr(), 8, 0)
         if st.map_sent[s] == header[2]:
             return None
         st.map_sent[s] = header[2]
@@ -1087,14 +1102,13 @@ class NativeBackend:
         a = st.output_index(sink)
         if a is None or rb == 0 or sink.data_ptr() % 16:
             return None
-        cache = plan._on_device.setdefault("native-maps", {})
         key = (a, st.output_gen[a], sink.data_ptr(), rb)
-        maps = cache.pop(key, None)
-        if maps is None:
-            maps = self._build_maps(plan, a, sink.data_ptr() - st.output_spans[a][0], rb)
-        cache[key] = maps  # most recent last
-        while len(cache) > _MAPS_PER_PLAN:
-            del cache[next(iter(cache))]
+        maps = _recent(
+            plan,
+            "native-maps",
+            key,
+            lambda: self._build_maps(plan, a, sink.data_ptr() - st.output_spans[a][0], rb),
+        )
         return maps or None
 
     def _build_maps(self, plan: CastPlan, a: int, offset: int, rb: int):
@@ -1141,22 +1155,26 @@ class NativeBackend:
         lies 16-byte aligned in a symmetric output and does not overlap ``out`` (our own
         reduction writes ``out`` while receivers may still read ``src``): receivers that
         accept may read the rows there (``pulled``); else header 0 for every destination.
-        Cached on the plan (the pull maps for the last few inputs, keyed like the direct-mode
-        maps)."""
+        Cached on the plan: the header-0 table, and the pull maps of the last few inputs,
+        keyed like the direct-mode maps."""
         st = self._require()
         apart = out is None or not _overlap(src, out)
         a = st.output_index(src) if fused and apart and rb % 16 == 0 and src.data_ptr() % 16 == 0 else None
-        cache = plan._on_device.setdefault("native-publish", {})
-        key = None if a is None else (a, st.output_gen[a], src.data_ptr(), rb)
-        table = cache.pop(key, None)
-        if table is None:
-            pull = None if a is None else (a, src.data_ptr() - st.output_spans[a][0], rb)
+
+        def build(pull):
             with torch.cuda.stream(st.stream):  # ahead of the send kernel reading it
-                table = _to_device(publish_table(plan, st.map_width, pull), st.device)
-        cache[key] = table  # most recent last; the header-0 table stays under None
-        while len(cache) > _MAPS_PER_PLAN + 1:
-            del cache[next(k for k in cache if k is not None)]
-        return table.data_ptr(), a is not None
+                return _to_device(publish_table(plan, st.map_width, pull), st.device)
+
+        if a is None:
+            table = plan._on_device.get("native-publish-0")
+            if table is None:
+                table = plan._on_device["native-publish-0"] = build(None)
+            return table.data_ptr(), False
+        key = (a, st.output_gen[a], src.data_ptr(), rb)
+        table = _recent(
+            plan, "native-publish", key, lambda: build((a, src.data_ptr() - st.output_spans[a][0], rb))
+        )
+        return table.data_ptr(), True
 
     def _done_words(self, plan) -> tuple[int, ...]:
         """The fused reduction's end-step words of this call (after the transport counted it):
