@@ -1,9 +1,11 @@
-"""Forward benchmark: FFA (CuTe DSL sm90) vs FlashAttention-4, cuDNN SDPA and FlexAttention.
+"""Forward / training-step benchmark: FFA (CuTe DSL sm90) vs FlashAttention-4, cuDNN SDPA and
+FlexAttention.
 
-TFLOP/s are counted over the mask area: 4 * area * Hq * D per forward. Every library runs in this
-process on the same inputs. Usage (GPU machine):
+TFLOP/s are counted over the mask area: 4 * area * Hq * D per forward, 2.5x that per backward,
+3.5x per training step (forward + backward through autograd; backward = step - forward). Every
+library runs in this process on the same inputs. Usage (GPU machine):
 
-    python tools/bench_ffa.py [--cases full8k,causal8k,...] [--iters 20] [--no-flex] [--check]
+    python tools/bench_ffa.py [--cases full8k,causal8k,...] [--iters 20] [--no-flex] [--check] [--bwd]
 """
 
 from __future__ import annotations
@@ -194,6 +196,46 @@ def run_ffa(q, k, v, qr, kr, ty, *, max_logits: bool = False, head_group: int | 
     return f
 
 
+def run_ffa_autograd(q, k, v, qr, kr, ty):
+    """The user's path: flex_flash_attn_func (autograd; its backward is the kernel's)."""
+    from ffa_kernels import flex_flash_attn_func
+
+    def f():
+        return flex_flash_attn_func(q, k, v, qr, kr, ty)[0]
+
+    return f
+
+
+def training_step(fwd, leaves):
+    """forward + backward of ``fwd`` (whose output is a tensor or a tuple starting with one),
+    with a fixed random output gradient; the leaves' .grad are dropped each step (no accumulate)."""
+    out = fwd()
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
+
+    def f():
+        for x in leaves:
+            x.grad = None
+        o = fwd()
+        o = o[0] if isinstance(o, tuple) else o
+        o.backward(grad)
+
+    return f
+
+
+def step_peak_mib(step) -> float | None:
+    """Peak memory allocated during one training step beyond what was allocated before it."""
+    if step is None:
+        return None
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def run_fa4(case, q, k, v):
     if case.fa4 is None:
         return None
@@ -296,15 +338,15 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
     """Time FFA and the peers on one case: ``(results, seconds of FFA's first call)``. The case's
     tensors (and the closures holding them) die with this frame."""
     torch.manual_seed(0)
-    q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype)
-    k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
-    v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype)
+    q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
+    k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
+    v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
     qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
     kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
     ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
     res = {}
     t0 = time.perf_counter()
-    ffa = run_ffa(q, k, v, qr, kr, ty)
+    ffa = run_ffa_autograd(q, k, v, qr, kr, ty) if args.bwd else run_ffa(q, k, v, qr, kr, ty)
     ffa()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
@@ -331,7 +373,8 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
                 o_ref = f()
                 o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
                 o_ref = o_ref.reshape(case.total, case.hq, case.d)
-                o_ffa = ffa()[0]
+                o_ffa = ffa()
+                o_ffa = o_ffa[0] if isinstance(o_ffa, tuple) else o_ffa
                 res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
         except Exception as exc:  # a peer failing must not stop the table
             print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -344,6 +387,21 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
             times[name].append(bench(f, args.iters))
     for name, ts in times.items():
         res[name] = tflops(case, _median(ts))
+    if args.bwd:
+        steps = {name: training_step(f, (q, k, v)) for name, f in fns.items()}
+        step_times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(args.rounds):
+            for name, f in steps.items():
+                step_times[name].append(bench(f, args.iters))
+        for name, ts in step_times.items():
+            t_step = _median(ts)
+            t_fwd = _median(times[name])
+            res[f"{name}_step"] = 3.5 * tflops(case, t_step)
+            res[f"{name}_bwd"] = 2.5 * tflops(case, max(t_step - t_fwd, 1e-9))
+        res["ffa_peak_mib"], res["fa4_peak_mib"] = (
+            step_peak_mib(steps.get("ffa")),
+            step_peak_mib(steps.get("fa4")),
+        )
     if ffa_ml is not None:
         res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
     return res, first
@@ -362,6 +420,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true", help="compare FFA to FA4 outputs where FA4 runs")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-logits", action="store_true", help="also time FFA with return_max_logits")
+    ap.add_argument("--bwd", action="store_true", help="also time the training step (forward + backward)")
     ap.add_argument(
         "--groups", default="", help="also time FFA with each of these q-head group sizes (e.g. 1,2,16)"
     )
@@ -388,6 +447,8 @@ def main(argv=None):
             flush=True,
         )
     print_table(rows)
+    if args.bwd:
+        print_step_table(rows)
     return rows
 
 
@@ -406,6 +467,23 @@ def print_table(rows) -> None:
             f"| {case.name} | {cell(res['ffa'])} | {cell(fa4)} | {cell(res.get('cudnn'))} | {cell(flex)} | "
             f"{r_fa4} | {r_flex} | "
             f"{'n/a' if ml is None else f'{ml:+.1%}'} |"
+        )
+
+
+def print_step_table(rows) -> None:
+    """Markdown table of the backward and the training step (TFLOP/s over mask area)."""
+    cell = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}"  # noqa: E731
+    print("\n| case | FFA bwd | FA4 bwd | cuDNN bwd | Flex bwd | FFA/FA4 bwd | FFA step | FA4 step | FFA/FA4 step |"
+          " FFA/Flex step | peak MiB FFA / FA4 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case, res, _ in rows:
+        g = res.get
+        print(
+            f"| {case.name} | {cell(g('ffa_bwd'))} | {cell(g('fa4_bwd'))} | {cell(g('cudnn_bwd'))} | "
+            f"{cell(g('flex_bwd'))} | {ratio(g('ffa_bwd'), g('fa4_bwd'))} | {cell(g('ffa_step'))} | "
+            f"{cell(g('fa4_step'))} | {ratio(g('ffa_step'), g('fa4_step'))} | {ratio(g('ffa_step'), g('flex_step'))} | "
+            f"{cell(g('ffa_peak_mib'))} / {cell(g('fa4_peak_mib'))} |"
         )
 
 

@@ -117,10 +117,10 @@ VARIANTS = list(
 def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
     """The packed launcher hands the compiled host function exactly the C values the DSL's own
     marshalling would, for random argument values (nothing is launched: a spy takes the call)."""
-    from ffa_kernels.cute import launch, launcher
+    from ffa_kernels.cute import compile_cache, launcher
 
     spec = launcher.arg_spec(accumulate)
-    elem = launch._dtype_of(torch_dtype)
+    elem = compile_cache.dtype_of(torch_dtype)
     assert launcher.packed_matches_dsl(fn, spec, elem)
     rng = random.Random(len(spec))
     vals = [
@@ -148,12 +148,12 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     GPU; also exercises the disk cache."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
-    from ffa_kernels.cute import launch
+    from ffa_kernels.cute import compile_cache, launch
 
     times = {}
     for d, dt, softcap, acc in VARIANTS:
         cfg = default_config(d)
-        launch._COMPILED.pop(launch.compile_key(dt, cfg, softcap, acc), None)
+        compile_cache.forget(launch.compile_key(dt, cfg, softcap, acc))
         t0 = time.perf_counter()
         fn = launch.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
         times[(d, str(dt), softcap, acc)] = time.perf_counter() - t0
@@ -163,7 +163,7 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     # the disk cache now holds every variant: a fresh process-level cache loads them back
     objs = list(tmp_path.rglob("*.o"))
     assert len(objs) == len(times)
-    launch._COMPILED.clear()
+    compile_cache.forget()
     import cutlass.cute
 
     def no_compile(*args, **kwargs):
@@ -216,3 +216,111 @@ def test_accumulate_exported_and_validates():
         )
     with pytest.raises(NotImplementedError):
         cute_forward_accumulate(q.float(), k, k, r, r, None, torch.zeros(8, 2, 64), lse, **kw)
+
+
+# ----------------------------------------------------------------------------- backward
+def simulate_bwd_plan(work, entries, tq, tk, tile_m, tile_n):
+    """Replay the backward kernel's walk (key tiles of tile_n, q blocks of tile_m, the transposed
+    band mask); returns how often each (q, k) cell is counted."""
+    cov = torch.zeros(tq, tk, dtype=torch.int32)
+    tiles = []
+    for n0, e0, e1, nb in work.tolist():
+        tiles.append(n0)
+        assert nb > 0, "a key tile with no block is not launched"
+        total = 0
+        for e in range(e0, e1):
+            q_lo, nblk, qs, qe, lo, hi, ks, ke, jf_lo, jf_hi = entries[e].tolist()[:10]
+            assert 0 <= jf_lo <= jf_hi <= nblk
+            total += nblk
+            for j in range(nblk):
+                qb = q_lo + j * tile_m
+                keys = torch.arange(n0, n0 + tile_n).unsqueeze(1)
+                rows = torch.arange(qb, qb + tile_m).unsqueeze(0)
+                d = rows - keys
+                keep = (rows >= qs) & (rows < qe) & (keys >= ks) & (keys < ke) & (d >= lo) & (d <= hi)
+                keep &= (rows < tq) & (keys < tk)
+                if jf_lo <= j < jf_hi:
+                    assert bool(keep.all()), (n0, e, j)
+                kk, rr = torch.nonzero(keep, as_tuple=True)
+                cov[rows[0, rr], keys[kk, 0]] += 1
+        assert total == nb
+    assert len(tiles) == len(set(tiles)) and all(t % tile_n == 0 for t in tiles)
+    return cov
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bwd_plan_covers_mask_exactly(seed):
+    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+
+    rng = random.Random(100 + seed)
+    tq, tk = rng.randrange(1, 700), rng.randrange(1, 700)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 6))
+    work, ent, _ = build_bwd_plan_cpu(
+        torch.tensor(qr, dtype=torch.int32),
+        torch.tensor(kr, dtype=torch.int32),
+        torch.tensor(ty),
+        tk,
+        128,
+        64,
+    )
+    assert torch.equal(simulate_bwd_plan(work, ent, tq, tk, 64, 128), dense_mask(qr, kr, ty, tq, tk))
+    assert torch.all(work[:-1, 3] >= work[1:, 3])  # longest first
+
+
+def test_bwd_plan_causal_counts():
+    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+
+    # causal 1024, key tiles of 128 and q blocks of 64 starting at each tile's diagonal: tile i
+    # needs q rows [128 i, 1024), i.e. (1024 - 128 i) / 64 blocks, 2 of them on the diagonal
+    _, ent, total = build_bwd_plan_cpu(
+        torch.tensor([[0, 1024]]), torch.tensor([[0, 1024]]), torch.tensor([1]), 1024, 128, 64
+    )
+    assert total == sum((1024 - 128 * i) // 64 for i in range(8))
+    assert int((ent[:, 1] - (ent[:, 9] - ent[:, 8])).sum()) == 2 * 8
+
+
+BWD_VARIANTS = list(itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)))
+
+
+def test_compile_every_bwd_variant(tmp_path, monkeypatch):
+    """Every backward variant (head dim, dtype, softcap) compiles for sm_90a with no GPU, and the
+    packed launcher feeds it what the DSL's marshalling would."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import bwd_launch, compile_cache, launcher
+    from ffa_kernels.cute.config import default_bwd_config
+
+    spec = bwd_launch.bwd_arg_spec()
+    for d, dt, softcap in BWD_VARIANTS:
+        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d), softcap))
+        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d), softcap)
+        assert launcher.packed_matches_dsl(fn, spec, compile_cache.dtype_of(dt))
+    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS)
+
+
+def test_source_hash_covers_every_kernel_module():
+    """The disk cache's key changes with any module of the kernel folder (a new device file is
+    never left out of it)."""
+    pytest.importorskip("cutlass")
+    import pathlib
+
+    from ffa_kernels.cute import compile_cache
+
+    here = pathlib.Path(compile_cache.__file__).parent
+    names = {p.name for p in here.glob("*.py")}
+    assert {"bwd_sm90.py", "fwd_sm90.py", "atomics.py", "masking.py"} <= names
+    compile_cache.source_hash.cache_clear()
+    h1 = compile_cache.source_hash()
+    orig = pathlib.Path.read_bytes
+
+    def changed(self):
+        data = orig(self)
+        return data + b"\n# changed" if self.name == "atomics.py" else data
+
+    try:
+        pathlib.Path.read_bytes = changed
+        compile_cache.source_hash.cache_clear()
+        assert compile_cache.source_hash() != h1
+    finally:
+        pathlib.Path.read_bytes = orig
+        compile_cache.source_hash.cache_clear()

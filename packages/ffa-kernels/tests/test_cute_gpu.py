@@ -12,7 +12,13 @@ import random
 import pytest
 import torch
 
-from ffa_kernels.testing import grid_slices
+from ffa_kernels.testing import (
+    block_causal_slices,
+    grid_slices,
+    segment_id_slices,
+    sliding_window_slices,
+    varlen_slices,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -137,14 +143,6 @@ def run_case(
     return err, tol
 
 
-def varlen_slices(lengths, typ):
-    qr, off = [], 0
-    for n in lengths:
-        qr.append([off, off + n])
-        off += n
-    return qr, [list(x) for x in qr], [typ] * len(lengths), off
-
-
 def random_slices(rng, tq, tk, n):
     return grid_slices(rng, tq, tk, n, density=0.4)
 
@@ -216,46 +214,6 @@ def test_sink(layout):
     qr, kr, ty, t = varlen_slices([257, 400], 1)
     run_case(qr, kr, ty, t, t, sink_layout=layout)
     run_case([[100, 400]], [[0, 256]], [2], 512, 256, sink_layout=layout)
-
-
-def sliding_window_slices(t: int, w: int):
-    """Causal window of w keys before each query, built from the four types: the first w+1 rows
-    are CAUSAL, the rest one BICAUSAL band (k - q in [-w, 0])."""
-    head = min(t, w + 1)
-    qr, kr, ty = [[0, head]], [[0, head]], [1]
-    if t > head:
-        qr.append([head, t])
-        kr.append([1, t])
-        ty.append(3)
-    return qr, kr, ty
-
-
-def block_causal_slices(doc_lengths, block: int):
-    """Varlen block-causal: a query of block b of a document sees blocks 0..b of it (FULL)."""
-    qr, kr, pos = [], [], 0
-    for n in doc_lengths:
-        for s in range(pos, pos + n, block):
-            e = min(s + block, pos + n)
-            qr.append([s, e])
-            kr.append([pos, e])
-        pos += n
-    return qr, kr, [0] * len(qr), pos
-
-
-def segment_id_slices(ids):
-    """Document mask from segment ids (runs of one id may recur: all its runs see each other)."""
-    runs, start = {}, 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            runs.setdefault(ids[start], []).append([start, i])
-            start = i
-    qr, kr = [], []
-    for rs in runs.values():
-        for a in rs:
-            for b in rs:
-                qr.append(a)
-                kr.append(b)
-    return qr, kr, [0] * len(qr)
 
 
 @requires_sm90

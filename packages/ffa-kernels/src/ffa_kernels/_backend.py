@@ -10,8 +10,8 @@
 ``ffa_kernels.cute`` is imported lazily (only when a CUDA tensor asks for it), so CPU-only
 installs never touch the CuTe DSL. In the default mode a ``NotImplementedError`` raised by
 ``cute_forward`` (a configuration the kernel does not support) also falls back to the reference.
-Each reason for falling back is logged once. There is no CuTe backward yet, so the backward
-always runs on the reference backend (logged once on CUDA).
+Each reason for falling back is logged once. The backward follows the same choice
+(``cute_backward_stage``); a configuration its kernel does not serve falls back the same way.
 """
 
 from __future__ import annotations
@@ -126,10 +126,12 @@ def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def select_backward_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Backend for a backward. Always ``"reference"`` until a CuTe backward exists."""
-    if select_forward_backend(device, dtype) == CUTE:
+    """``"cute"`` or ``"reference"`` for a backward: the forward's choice, where the CuTe module
+    also has the backward kernel (``cute_backward_stage``)."""
+    choice = select_forward_backend(device, dtype)
+    if choice == CUTE and not callable(getattr(load_cute(), "cute_backward_stage", None)):
         log_once(
-            "cute-no-backward",
-            "ffa_kernels: no CuTe backward yet; the backward runs on the reference backend",
+            "cute-no-backward", "ffa_kernels: no CuTe backward; the backward runs on the reference backend"
         )
-    return REFERENCE
+        return REFERENCE
+    return choice

@@ -135,7 +135,28 @@ def _backward_stage(
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
 ) -> None:
-    _backend.select_backward_backend(args.q.device, args.q.dtype)  # only "reference" for now
+    if _backend.select_backward_backend(args.q.device, args.q.dtype) == _backend.CUTE:
+        cute = _backend.load_cute()
+        try:
+            cute.cute_backward_stage(
+                args.q,
+                args.k,
+                args.v,
+                dout,
+                out,
+                lse,
+                args.q_ranges,
+                args.k_ranges,
+                args.attn_type_map,
+                dq_acc,
+                dk_acc,
+                dv_acc,
+                softmax_scale=args.softmax_scale,
+                softcap=args.softcap,
+            )
+            return
+        except NotImplementedError as exc:
+            _kernel_declined(exc)
     reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
 
 

@@ -20,12 +20,16 @@ from . import _masks
 
 __all__ = [
     "Problem",
+    "block_causal_slices",
     "dense_attention",
     "dense_mask",
     "grid_slices",
     "random_disjoint_slices",
     "random_problem",
+    "segment_id_slices",
+    "sliding_window_slices",
     "tile_config",
+    "varlen_slices",
 ]
 
 RangesLike = torch.Tensor | Sequence[Sequence[int]]
@@ -232,3 +236,52 @@ def tile_config(block_rows: int, tile_elems: int, min_tile_cols: int) -> Iterato
         yield
     finally:
         _masks.BLOCK_ROWS, _masks.TILE_ELEMS, _masks.MIN_TILE_COLS = saved
+
+
+# ----------------------------------------------------------------------------- mask builders
+def varlen_slices(lengths, typ):
+    qr, off = [], 0
+    for n in lengths:
+        qr.append([off, off + n])
+        off += n
+    return qr, [list(x) for x in qr], [typ] * len(lengths), off
+
+
+def sliding_window_slices(t: int, w: int):
+    """Causal window of w keys before each query, built from the four types: the first w+1 rows
+    are CAUSAL, the rest one BICAUSAL band (k - q in [-w, 0])."""
+    head = min(t, w + 1)
+    qr, kr, ty = [[0, head]], [[0, head]], [1]
+    if t > head:
+        qr.append([head, t])
+        kr.append([1, t])
+        ty.append(3)
+    return qr, kr, ty
+
+
+def block_causal_slices(doc_lengths, block: int):
+    """Varlen block-causal: a query of block b of a document sees blocks 0..b of it (FULL)."""
+    qr, kr, pos = [], [], 0
+    for n in doc_lengths:
+        for s in range(pos, pos + n, block):
+            e = min(s + block, pos + n)
+            qr.append([s, e])
+            kr.append([pos, e])
+        pos += n
+    return qr, kr, [0] * len(qr), pos
+
+
+def segment_id_slices(ids):
+    """Document mask from segment ids (runs of one id may recur: all its runs see each other)."""
+    runs, start = {}, 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            runs.setdefault(ids[start], []).append([start, i])
+            start = i
+    qr, kr = [], []
+    for rs in runs.values():
+        for a in rs:
+            for b in rs:
+                qr.append(a)
+                kr.append(b)
+    return qr, kr, [0] * len(qr)

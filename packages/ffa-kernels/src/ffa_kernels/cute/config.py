@@ -1,4 +1,4 @@
-"""Tile / pipeline configuration of the sm90 forward kernel (pure Python, no cutlass import)."""
+"""Tile / pipeline configuration of the sm90 kernels (pure Python, no cutlass import)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,42 @@ def default_config(head_dim: int) -> FwdConfig:
     if head_dim == 64:
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=3)
     return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Static shape of one compiled backward kernel (part of its compile key).
+
+    A CTA owns ``tile_n`` keys of one K/V head (``tile_n / num_mma_wg`` per consumer warpgroup)
+    and walks ``tile_m``-row q blocks; tile_m is one wgmma M (64), so the dQ GEMM splits the
+    head dim over the warpgroups.
+    """
+
+    head_dim: int = 128
+    tile_m: int = 64  # q rows per block
+    tile_n: int = 128  # keys per CTA
+    num_stages: int = 2  # Q and dO shared-memory stages (each)
+    num_mma_wg: int = 2  # consumer warpgroups issuing WGMMA
+    mma_regs: int = 240  # setmaxnreg for consumer warpgroups
+    producer_regs: int = 24  # setmaxnreg for the TMA producer warpgroup
+
+    def __post_init__(self) -> None:
+        assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
+        assert self.num_mma_wg == 2, "the dQ GEMM splits the head dim over 2 consumer warpgroups"
+        assert self.tile_n == 64 * self.num_mma_wg
+        assert self.tile_m == 64
+        assert self.num_stages >= 1
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_mma_wg + 1)
+
+    def key(self) -> tuple:
+        """Every field, in order (the compile key part of this config)."""
+        return dataclasses.astuple(self)
+
+
+@functools.cache
+def default_bwd_config(head_dim: int) -> BwdConfig:
+    """64-row q blocks, 128-key tiles, two consumer warpgroups (FA3's choice for hdim 128)."""
+    return BwdConfig(head_dim=head_dim)

@@ -33,11 +33,10 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
-from cutlass.utils import LayoutEnum
 
 from .config import FwdConfig
 from .masking import apply_band_mask, block_is_full, score_coords
-from .mma import acc_as_operand_a, acc_rows_cols, smem_transpose, wgmma
+from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, wgmma
 from .pipeline import (
     NamedBarrier,
     consumer_wait,
@@ -52,15 +51,6 @@ from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_ro
 FLAG_HAS_SINK = 1
 FLAG_MAX_LOGITS = 2
 HEAD_GROUP_SHIFT = 8  # flags >> 8: number of q heads per L2 group (CTA order)
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None):
-    atom = warpgroup.make_smem_layout_atom(
-        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    shape = (rows, cols) if stages is None else (rows, cols, stages)
-    order = (0, 1) if stages is None else (0, 1, 2)
-    return cute.tile_to_shape(atom, shape, order=order)
 
 
 class FFAForwardSm90:
@@ -142,9 +132,9 @@ class FFAForwardSm90:
             tiler_mn=(64, self.hdim),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        sQ_layout = _smem_layout(self.dtype, self.tile_m, self.hdim, None)
-        sK_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
-        sV_layout = _smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim, None)
+        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
 
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, self.hdim))

@@ -3,47 +3,21 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import math
-import os
-import pathlib
-import threading
-import time
 
 import torch
 
 from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
+from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FwdConfig, default_config
-from .launcher import ACCUMULATOR_ALIGN, arg_spec, dsl_args, make_launcher
+from .launcher import ACCUMULATOR_ALIGN, arg_spec, make_launcher
 from .plan import get_plan
 
 logger = logging.getLogger(__name__)
 
 _LOG2_E = math.log2(math.e)
-_COMPILED: dict[tuple, object] = {}
-_LOCK = threading.Lock()
-
-
-def _cutlass():
-    # The kernels target sm_90a only. Naming the arch before cutlass is first imported lets
-    # compilation and the disk-cache export work on machines without a GPU too.
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cutlass
-    import cutlass.cute as cute
-
-    return cutlass, cute
-
-
-def _dtype_of(torch_dtype):
-    cutlass, _ = _cutlass()
-    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[torch_dtype]
-
-
-def _arch() -> str:
-    return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
 
 
 def compile_key(torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False) -> tuple:
@@ -55,95 +29,33 @@ def compile_key(torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool
         bool(has_softcap),
         bool(accumulate),
         repr(arg_spec(accumulate)),
-        _arch(),
+        arch(),
     )
-
-
-# The modules the device code is built from (fwd_sm90 and what it imports); host-only modules
-# (this one, launcher.py: its argument list is in the compile key) do not invalidate the cache.
-_KERNEL_SOURCES = ("config.py", "fwd_sm90.py", "masking.py", "mma.py", "pipeline.py", "plan.py", "softmax.py")
-
-
-@functools.cache
-def _source_hash() -> str:
-    import cutlass
-
-    h = hashlib.sha256()
-    here = pathlib.Path(__file__).parent
-    for name in _KERNEL_SOURCES:
-        h.update(name.encode())
-        h.update((here / name).read_bytes())
-    h.update(str(getattr(cutlass, "__version__", "")).encode())
-    return h.hexdigest()[:16]
-
-
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("FFA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ffa_kernels")
-    return pathlib.Path(root)
 
 
 def _compile_args(torch_dtype, accumulate: bool = False):
     """Placeholder arguments for cute.compile: null pointers and dummy sizes (all runtime values)."""
-    spec = arg_spec(accumulate)
-    placeholders = [0 if kind in ("ptr", "stream") else 1 for kind, _, _ in spec]
-    return dsl_args(spec, placeholders, _dtype_of(torch_dtype))
+    return placeholder_args(arg_spec(accumulate), dtype_of(torch_dtype))
 
 
 def get_kernel(
     torch_dtype, cfg: FwdConfig, has_softcap: bool, *, accumulate: bool = False, use_disk_cache: bool = True
 ):
     """Compiled kernel for (dtype, cfg, softcap, accumulate): memory cache, then disk cache, then compile."""
-    key = compile_key(torch_dtype, cfg, has_softcap, accumulate)
-    fn = _COMPILED.get(key)
-    if fn is not None:
-        return fn
-    with _LOCK:
-        fn = _COMPILED.get(key)
-        if fn is not None:
-            return fn
-        _, cute = _cutlass()
-        kdir = None
-        name = "ffa_fwd_" + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-        if use_disk_cache:
-            kdir = cache_dir() / _source_hash()
-            obj = kdir / f"{name}.o"
-            if obj.exists():
-                try:
-                    from cutlass.cute.runtime import load_module
 
-                    mod = load_module(str(obj))
-                    fn = getattr(mod, name)
-                    _COMPILED[key] = fn
-                    return fn
-                except Exception as exc:  # corrupt / incompatible file: recompile
-                    logger.warning("ffa_kernels: could not load cached kernel %s (%s); recompiling", obj, exc)
+    def build():
         from .fwd_sm90 import FFAForwardSm90
 
-        t0 = time.perf_counter()
-        kernel = FFAForwardSm90(_dtype_of(torch_dtype), cfg, has_softcap, accumulate)
-        fn = cute.compile(kernel, *_compile_args(torch_dtype, accumulate), options=f"--gpu-arch {_arch()}")
-        logger.info(
-            "ffa_kernels: compiled sm90 forward %s (dtype=%s, hdim=%d, softcap=%s, accumulate=%s) in %.1f s",
-            name,
-            torch_dtype,
-            cfg.head_dim,
-            has_softcap,
-            accumulate,
-            time.perf_counter() - t0,
-        )
-        if kdir is not None:
-            try:
-                kdir.mkdir(parents=True, exist_ok=True)
-                tmp = kdir / f".{name}.{os.getpid()}"
-                tmp.mkdir(exist_ok=True)
-                fn.export_to_c(str(tmp), name, function_prefix=name)
-                for f in tmp.iterdir():
-                    os.replace(f, kdir / f.name)
-                tmp.rmdir()
-            except Exception as exc:
-                logger.debug("ffa_kernels: disk cache write failed: %s", exc)
-        _COMPILED[key] = fn
-        return fn
+        return FFAForwardSm90(dtype_of(torch_dtype), cfg, has_softcap, accumulate)
+
+    return compiled_kernel(
+        compile_key(torch_dtype, cfg, has_softcap, accumulate),
+        "ffa_fwd_",
+        build,
+        lambda: _compile_args(torch_dtype, accumulate),
+        f"sm90 forward (dtype={torch_dtype}, hdim={cfg.head_dim}, softcap={has_softcap}, accumulate={accumulate})",
+        use_disk_cache=use_disk_cache,
+    )
 
 
 _L2_BUDGET = 24 * 1024 * 1024
@@ -172,7 +84,7 @@ class _Runtime:
     """What every launch needs, imported/built once (keeps the per-call host path short)."""
 
     def __init__(self):
-        _cutlass()
+        cutlass_modules()
         from .fwd_sm90 import FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
 
         self.flag_sink, self.flag_ml, self.group_shift = FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
@@ -183,7 +95,7 @@ class _Runtime:
         fn = self.launchers.get(key)
         if fn is None:
             kernel = get_kernel(torch_dtype, cfg, has_softcap, accumulate=accumulate)
-            fn = self.launchers[key] = make_launcher(kernel, arg_spec(accumulate), _dtype_of(torch_dtype))
+            fn = self.launchers[key] = make_launcher(kernel, arg_spec(accumulate), dtype_of(torch_dtype))
         return fn
 
 

@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None, atom_cols: int | None = None):
+    """Swizzled row-major (cols contiguous) shared-memory layout of a (rows, cols[, stages]) tile.
+
+    The swizzle atom is the widest that ``atom_cols`` columns allow (default: all of them); a
+    tile that a GEMM reads MN-major in slices of n columns needs atoms no wider than n.
+    """
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
 
 
 def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:

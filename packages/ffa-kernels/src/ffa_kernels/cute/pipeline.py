@@ -16,37 +16,31 @@ class NamedBarrier(enum.IntEnum):
     SchedWG2 = 2
     SchedWG3 = 3
     Epilogue = 4
+    PdS = 5  # backward: dS written to / read from shared memory by both consumer warpgroups
+    DQWG1 = 6  # backward: a consumer warpgroup's dQ tile in shared memory (6 + warpgroup index)
+    DQWG2 = 7
+
+
+def tma_pipeline(barrier_ptr, num_stages: int, tx_bytes: int, consumer_warps: int):
+    """A TMA pipeline of ``num_stages`` stages: one producer thread, ``consumer_warps`` MMA warps."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_ptr,
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes,
+        defer_sync=True,
+    )
 
 
 def make_tma_pipelines(storage, cfg, bytes_q: int, bytes_k: int, bytes_v: int):
-    """Q (1 stage), K and V (cfg.num_stages each): TMA producer (one thread), consumers = MMA warps."""
-    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_mma_wg * 4)
-    pipe_q = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.mbar_q.data_ptr(),
-        num_stages=1,
-        producer_group=producer,
-        consumer_group=consumers,
-        tx_count=bytes_q,
-        defer_sync=True,
+    """The forward's Q (1 stage), K and V (cfg.num_stages each) pipelines."""
+    warps = cfg.num_mma_wg * 4
+    return (
+        tma_pipeline(storage.mbar_q.data_ptr(), 1, bytes_q, warps),
+        tma_pipeline(storage.mbar_k.data_ptr(), cfg.num_stages, bytes_k, warps),
+        tma_pipeline(storage.mbar_v.data_ptr(), cfg.num_stages, bytes_v, warps),
     )
-    pipe_k = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.mbar_k.data_ptr(),
-        num_stages=cfg.num_stages,
-        producer_group=producer,
-        consumer_group=consumers,
-        tx_count=bytes_k,
-        defer_sync=True,
-    )
-    pipe_v = pipeline.PipelineTmaAsync.create(
-        barrier_storage=storage.mbar_v.data_ptr(),
-        num_stages=cfg.num_stages,
-        producer_group=producer,
-        consumer_group=consumers,
-        tx_count=bytes_v,
-        defer_sync=True,
-    )
-    return pipe_q, pipe_k, pipe_v
 
 
 def tma_load_rows(atom, g_rows: cute.Tensor, row0, tile_rows: int, tile_cols: int, s_dst, stage, bar_ptr):

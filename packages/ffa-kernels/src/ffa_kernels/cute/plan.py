@@ -48,28 +48,40 @@ def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return torch.div(a + (b - 1), b, rounding_mode="floor")
 
 
-def build_plan_cpu(
-    q_ranges: torch.Tensor,
-    k_ranges: torch.Tensor,
-    attn_type_map: torch.Tensor | None,
-    total_q: int,
-    tile_m: int,
-    tile_n: int,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Pure CPU torch version. Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+def slice_bands(
+    q_ranges: torch.Tensor, k_ranges: torch.Tensor, attn_type_map: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """Every slice as a band: int64 CPU tensors ``(qs, qe, ks, ke, lo, hi)``, one entry per slice."""
     qr = q_ranges.to("cpu", torch.int64).reshape(-1, 2)
     kr = k_ranges.to("cpu", torch.int64).reshape(-1, 2)
     n = qr.shape[0]
-    if attn_type_map is None:
-        typ = torch.zeros(n, dtype=torch.int64)
-    else:
-        typ = attn_type_map.to("cpu", torch.int64).reshape(-1)
+    typ = (
+        torch.zeros(n, dtype=torch.int64)
+        if attn_type_map is None
+        else attn_type_map.to("cpu", torch.int64).reshape(-1)
+    )
     qs, qe = qr[:, 0], qr[:, 1]
     ks, ke = kr[:, 0], kr[:, 1]
     has_lo = (typ == INVCAUSAL) | (typ == BICAUSAL)
     has_hi = (typ == CAUSAL) | (typ == BICAUSAL)
     lo = torch.where(has_lo, ks - qs, torch.full_like(qs, -BIG))
     hi = torch.where(has_hi, ke - qe, torch.full_like(qs, BIG))
+    return qs, qe, ks, ke, lo, hi
+
+
+def transpose_bands(bands: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The same cells with the roles of q and k swapped: (q, k) covered iff (k, q) is covered
+    in the transposed band (lo <= k - q <= hi  <=>  -hi <= q - k <= -lo)."""
+    qs, qe, ks, ke, lo, hi = bands
+    return ks, ke, qs, qe, -hi, -lo
+
+
+def build_band_plan(
+    bands: tuple[torch.Tensor, ...], total_rows: int, tile_m: int, tile_n: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Work tiles of ``tile_m`` rows over the row axis, each with its entries of ``tile_n``-wide
+    column blocks (module docstring). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+    qs, qe, ks, ke, lo, hi = bands
     # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
     qs_eff = torch.maximum(qs, ks - hi)
     qe_eff = torch.minimum(qe, ke - lo)
@@ -77,7 +89,7 @@ def build_plan_cpu(
     qs, qe, ks, ke, lo, hi = (x[keep] for x in (qs, qe, ks, ke, lo, hi))
     qs_eff, qe_eff = qs_eff[keep], qe_eff[keep]
 
-    num_tiles = (total_q + tile_m - 1) // tile_m
+    num_tiles = (total_rows + tile_m - 1) // tile_m
     # (slice, q tile) pairs
     t0 = torch.div(qs_eff, tile_m, rounding_mode="floor")
     t1 = torch.div(qe_eff - 1, tile_m, rounding_mode="floor")
@@ -128,6 +140,41 @@ def build_plan_cpu(
     )
 
 
+def build_plan_cpu(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    total_q: int,
+    tile_m: int,
+    tile_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The forward's plan (q tiles, k blocks). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+    return build_band_plan(slice_bands(q_ranges, k_ranges, attn_type_map), total_q, tile_m, tile_n)
+
+
+def build_bwd_plan_cpu(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    total_k: int,
+    tile_n: int,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The backward's plan: the forward's construction on the transposed mask.
+
+    Work tiles are key tiles of ``tile_n`` keys; each entry walks ``tile_m``-row q blocks that
+    start at its slice's first needed q row (entry column 0 is ``q_lo``; columns 2..7 hold the
+    transposed band ``qs, qe, ks - hi ... ``: ``ks' = qs, ke' = qe, lo' = -hi, hi' = -lo,
+    qs' = ks, qe' = ke``, so the forward's block-fullness test and band mask apply to the
+    transposed score tile S^T as they are). Key tiles with no entry are dropped (nothing to
+    add); the rest go longest first.
+    """
+    bands = transpose_bands(slice_bands(q_ranges, k_ranges, attn_type_map))
+    work, entries, total_blocks = build_band_plan(bands, total_k, tile_n, tile_m)
+    work = work[work[:, 3] > 0].contiguous()  # LPT order puts the empty tiles last
+    return work, entries, total_blocks
+
+
 _PLAN_CACHE: dict[tuple, FwdPlan] = {}
 _PLAN_CACHE_MAX = 64
 _IDENT_CACHE = IdentityCache(maxsize=_PLAN_CACHE_MAX)
@@ -141,23 +188,30 @@ def get_plan(
     tile_m: int,
     tile_n: int,
     device: torch.device,
+    *,
+    backward: bool = False,
 ) -> FwdPlan:
-    """Plan with two small caches.
+    """Plan with two small caches (``backward``: `build_bwd_plan_cpu` with ``total_q`` the
+    number of keys, ``tile_m`` the key tile and ``tile_n`` the q block).
 
     1. Identity cache: the same range tensor objects (same storage, same in-place version
        counter) give the cached plan with no device->host copy and no sync at all.
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
     """
     tensors = (q_ranges, k_ranges, attn_type_map)
-    extra = (int(total_q), tile_m, tile_n, str(device))
+    extra = (int(total_q), tile_m, tile_n, str(device), backward)
     plan = _IDENT_CACHE.get(tensors, extra)
     if plan is None:
-        plan = _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device)
+        plan = _get_plan_by_content(
+            q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward
+        )
         _IDENT_CACHE.put(tensors, extra, plan)
     return plan
 
 
-def _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device) -> FwdPlan:
+def _get_plan_by_content(
+    q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward: bool
+) -> FwdPlan:
     qr = q_ranges.detach().to("cpu", torch.int32).contiguous()
     kr = k_ranges.detach().to("cpu", torch.int32).contiguous()
     tm = None if attn_type_map is None else attn_type_map.detach().to("cpu", torch.int32).contiguous()
@@ -169,11 +223,13 @@ def _get_plan_by_content(q_ranges, k_ranges, attn_type_map, total_q, tile_m, til
         tile_m,
         tile_n,
         str(device),
+        backward,
     )
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
-    work, entries, total_blocks = build_plan_cpu(qr, kr, tm, total_q, tile_m, tile_n)
+    build = build_bwd_plan_cpu if backward else build_plan_cpu
+    work, entries, total_blocks = build(qr, kr, tm, total_q, tile_m, tile_n)
     plan = FwdPlan(
         work=work.to(device, non_blocking=False),
         entries=entries.to(device, non_blocking=False),

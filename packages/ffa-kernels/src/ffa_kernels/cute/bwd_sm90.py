@@ -1,0 +1,527 @@
+"""FFA backward kernel for sm90 (device code), written in CuTe DSL.
+
+Key-tile major: one CTA per (key tile of the backward plan, q head). The CTA loads its
+``tile_n`` keys and values once and walks every ``tile_m``-row q block its plan entries list
+(bwd plan: the forward plan of the transposed mask, see plan.py), recomputing per block
+
+    S^T = K Q^T,  dP^T = V dO^T                     (SS wgmma, both transposed: M = keys)
+    P^T = exp2(S^T * scale_log2 - lse2),  dS^T = P^T * (dP^T - delta)   (softcap: * (1 - t^2))
+    dV += P^T dO,  dK += dS^T Q                      (RS wgmma: the S^T / dP^T accumulators are
+                                                      already the A operand's layout)
+    dQ  = dS K                                       (SS wgmma from dS^T written to shared memory)
+
+dV and dK stay in registers for the whole CTA and are added to the float32 dk/dv accumulators
+at the end (``red.global.add.v2.f32``); dQ of every block goes, times softmax_scale, through a
+float32 shared-memory tile and a TMA reduce-add into the float32 dq accumulator (other CTAs add
+to the same rows). Nothing of size Tq x Tk exists.
+
+Warp specialisation (384 threads):
+  warpgroup 0, warp 0  TMA producer: K and V once, then Q and dO of every block through
+                       ``num_stages``-deep pipelines;
+  warpgroups 1, 2      consumers: 64 keys each for S^T, dP^T, dV, dK; for dQ each computes
+                       half of the head dim over all 128 keys (named barrier PdS around the
+                       shared dS tile).
+
+``lse2`` (lse * log2(e), +inf for rows nothing covers, so P = 0 there) and ``delta``
+(rowsum(dO * O)) come from the host-side preprocess as float32 (Hq, stat_stride) tensors padded
+past Tq (lse2 +inf, delta 0), so a q block may run past Tq without bounds checks; Q and dO rows
+past Tq are zero-filled by the TMA unit.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
+
+from .atomics import red_add_f32x2
+from .config import BwdConfig
+from .masking import apply_band_mask, score_coords
+from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, wgmma
+from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
+from .plan import ENTRY_COLS
+
+HEAD_GROUP_SHIFT = 8  # flags >> 8: number of q heads per L2 group (CTA order)
+
+
+class FFABackwardSm90:
+    """One compiled kernel per (dtype, BwdConfig, softcap on/off)."""
+
+    def __init__(self, dtype, cfg: BwdConfig, has_softcap: bool):
+        self.dtype = dtype
+        self.cfg = cfg
+        self.has_softcap = has_softcap
+        self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+
+    # ------------------------------------------------------------------ host side (traced)
+    @cute.jit
+    def __call__(
+        self,
+        ptr_q: cute.Pointer,  # (Tq, Hq, D) contiguous
+        ptr_k: cute.Pointer,  # (Tk, Hk, D), rows kv_row_stride elements apart, heads contiguous
+        ptr_v: cute.Pointer,  # (Tk, Hk, D), the same strides as K
+        ptr_do: cute.Pointer,  # (Tq, Hq, D) contiguous, q's dtype
+        ptr_lse2: cute.Pointer,  # (Hq, stat_stride) f32
+        ptr_delta: cute.Pointer,  # (Hq, stat_stride) f32
+        ptr_dq: cute.Pointer,  # (Tq, Hq, D) f32 contiguous, added to
+        ptr_dk: cute.Pointer,  # (Tk, Hk, D) f32, rows dkv_row_stride apart, added to
+        ptr_dv: cute.Pointer,  # (Tk, Hk, D) f32, the same strides as dk, added to
+        ptr_work: cute.Pointer,  # (W, 4) i32
+        ptr_ent: cute.Pointer,  # (E, ENTRY_COLS) i32
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_k: Int32,
+        num_work: Int32,
+        num_entries: Int32,
+        kv_row_stride: Int32,
+        dkv_row_stride: Int32,
+        stat_stride: Int32,
+        scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
+        score_premul: Float32,  # softmax_scale / softcap (softcap only)
+        softmax_scale: Float32,
+        flags: Int32,
+        stream: cuda.CUstream,
+    ):
+        D = self.hdim
+        cfg = self.cfg
+        hq64 = cutlass.Int64(num_heads_q)
+        kv64 = cutlass.Int64(kv_row_stride)
+        dkv64 = cutlass.Int64(dkv_row_stride)
+        q_layout = cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1))
+        kv_layout = cute.make_layout((total_k, num_heads_k, D), stride=(kv64, D, 1))
+        mQ = cute.make_tensor(ptr_q, q_layout)
+        mdO = cute.make_tensor(ptr_do, q_layout)
+        mK = cute.make_tensor(ptr_k, kv_layout)
+        mV = cute.make_tensor(ptr_v, kv_layout)
+        mdQ = cute.make_tensor(ptr_dq, q_layout)
+        dkv_layout = cute.make_layout((total_k, num_heads_k, D), stride=(dkv64, D, 1))
+        mdK = cute.make_tensor(ptr_dk, dkv_layout)
+        mdV = cute.make_tensor(ptr_dv, dkv_layout)
+        stat_layout = cute.make_layout((num_heads_q, stat_stride), stride=(cutlass.Int64(stat_stride), 1))
+        mLSE2 = cute.make_tensor(ptr_lse2, stat_layout)
+        mDelta = cute.make_tensor(ptr_delta, stat_layout)
+        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
+        mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
+        # (T, H, D) -> (T, D, H): the sequence axis first, head last, for TMA
+        mQt, mdOt, mKt, mVt = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mdO, mK, mV)
+        )
+
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = q rows of the block
+        tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_m),
+        )
+        # dV += P^T dO, dK += dS^T Q: A from registers, B = dO / Q read transposed (MN-major)
+        tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
+            tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        # dQ = dS K: M = the block's q rows, each warpgroup one half of the head dim
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, cfg.num_mma_wg, 1),
+            tiler_mn=(64, D // cfg.num_mma_wg),
+        )
+        sQ_layout = smem_layout(self.dtype, self.tile_m, D, cfg.num_stages)
+        # K is read MN-major by the dQ GEMM in head-dim slices of D / num_mma_wg columns
+        sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=D // cfg.num_mma_wg)
+        sV_layout = smem_layout(self.dtype, self.tile_n, D, None)
+        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, None)
+        # dQ in float32: (tile_m, D), each warpgroup's D / num_mma_wg columns one contiguous tile
+        # (atoms down the rows first) that one TMA reduce-add adds to dq_acc
+        dq_cols = D // cfg.num_mma_wg
+        sdQ_layout = smem_layout(Float32, self.tile_m, D, None, atom_cols=32)
+        sdQ_wg_layout = smem_layout(Float32, self.tile_m, dq_cols, None, atom_cols=32)
+
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        row_tile = cute.select(sQ_layout, mode=[0, 1])
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, row_tile, (self.tile_m, D), 1)
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(op, mdOt, row_tile, (self.tile_m, D), 1)
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(op, mKt, sK_layout, (self.tile_n, D), 1)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(op, mVt, sV_layout, (self.tile_n, D), 1)
+        mdQt = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
+        tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (self.tile_m, dq_cols)
+        )
+        elem_bytes = self.dtype.width // 8
+        self.bytes_q = self.tile_m * D * elem_bytes
+        self.bytes_kv = 2 * self.tile_n * D * elem_bytes
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        self.kernel(
+            tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
+            mLSE2, mDelta, mdK, mdV, mWork, mEnt,
+            sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            scale_log2, score_premul, softmax_scale, num_heads_q // num_heads_k, num_work, num_heads_q, flags,
+            SharedStorage,
+        ).launch(
+            grid=[num_work * num_heads_q, 1, 1],
+            block=[cfg.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.Tensor,
+        tma_do: cute.Tensor,
+        tma_k: cute.Tensor,
+        tma_v: cute.Tensor,
+        tma_atom_q: cute.CopyAtom,
+        tma_atom_do: cute.CopyAtom,
+        tma_atom_k: cute.CopyAtom,
+        tma_atom_v: cute.CopyAtom,
+        tma_dq: cute.Tensor,
+        tma_atom_dq: cute.CopyAtom,
+        mLSE2: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mWork: cute.Tensor,
+        mEnt: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        scale_log2: Float32,
+        score_premul: Float32,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        num_work: Int32,
+        num_heads: Int32,
+        flags: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dq):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        warps = cfg.num_mma_wg * 4
+        pipe_kv = tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.bytes_kv, warps)
+        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), cfg.num_stages, self.bytes_q, warps)
+        pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), cfg.num_stages, self.bytes_q, warps)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+
+        # CTA order: q heads in groups of G (their Q, dO and dq rows fit in L2); inside a group
+        # the key tiles go longest first, the G heads of one tile next to each other.
+        bid, _, _ = cute.arch.block_idx()
+        group = flags >> HEAD_GROUP_SHIFT
+        per_group = num_work * group
+        g = bid // per_group
+        h0 = g * group
+        gsz = cutlass.min(group, num_heads - h0)
+        idx = bid - g * per_group
+        w = idx // gsz
+        head = h0 + idx - w * gsz
+        n0 = mWork[w, 0]
+        e0 = mWork[w, 1]
+        e1 = mWork[w, 2]
+        head_kv = head // qhead_per_kvhead
+
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.producer(
+                    tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
+                    sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head, head_kv,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(cfg.mma_regs)
+            self.consumer(
+                tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
+                n0, e0, e1, head, head_kv, scale_log2, score_premul, softmax_scale,
+            )  # fmt: skip
+
+    @cute.jit
+    def producer(
+        self, tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
+        sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head, head_kv,
+    ):  # fmt: skip
+        """K and V once (one transaction), then Q and dO of every planned block, in the
+        consumers' order (entries in plan order, blocks in q order)."""
+        cfg = self.cfg
+        D = self.hdim
+        gQ = tma_q[None, None, head]
+        gdO = tma_do[None, None, head]
+        kv_state = make_pipeline_state(PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        bar_kv = pipe_kv.producer_get_barrier(kv_state)
+        tma_load_rows(tma_atom_k, tma_k[None, None, head_kv], n0, self.tile_n, D, sK, None, bar_kv)
+        tma_load_rows(tma_atom_v, tma_v[None, None, head_kv], n0, self.tile_n, D, sV, None, bar_kv)
+        q_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
+        do_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
+        for e in cutlass.range(e0, e1, unroll=1):
+            q_lo = mEnt[e, 0]
+            for j in cutlass.range(mEnt[e, 1], unroll=1):
+                qb = q_lo + j * self.tile_m
+                pipe_q.producer_acquire(q_state)
+                tma_load_rows(tma_atom_q, gQ, qb, self.tile_m, D, sQ, q_state.index,
+                              pipe_q.producer_get_barrier(q_state))  # fmt: skip
+                q_state.advance()
+                pipe_do.producer_acquire(do_state)
+                tma_load_rows(tma_atom_do, gdO, qb, self.tile_m, D, sdO, do_state.index,
+                              pipe_do.producer_get_barrier(do_state))  # fmt: skip
+                do_state.advance()
+
+    @cute.jit
+    def consumer(
+        self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
+        n0, e0, e1, head, head_kv, scale_log2, score_premul, softmax_scale,
+    ):  # fmt: skip
+        cfg = self.cfg
+        D = self.hdim
+        wg_idx = cute.arch.make_warp_uniform(ctid // 128)
+        thr_sdp = tiled_mma_sdp.get_slice(ctid)
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * 128)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * 128)
+        # S^T, dP^T operands
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        acc_shape_sdp = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        # dV / dK operands and accumulators
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem_transpose(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(smem_transpose(sQ)))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # dQ operands
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(smem_transpose(sK)))
+        acc_shape_dq = wg_dq.partition_shape_C((self.tile_m, D))
+        # dS^T registers -> dS in shared memory (transposing stmatrix)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_sdp).get_slice(ctid)
+        tdSsdS = thr_store.partition_D(smem_transpose(sdS))
+
+        tScS = score_coords(thr_sdp, self.tile_n, self.tile_m)
+        t0ScS = score_coords(tiled_mma_sdp.get_slice(0), self.tile_n, self.tile_m)
+        thr_dq = tiled_mma_dq.get_slice(ctid)
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        dq_cols = D // cfg.num_mma_wg
+        sdQ_wg = cute.local_tile(sdQ, (self.tile_m, dq_cols), (0, wg_idx))
+        gdQ_head = tma_dq[None, None, head]
+
+        kv_state = make_pipeline_state(PipelineUserType.Consumer, 1)
+        q_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
+        do_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
+        consumer_wait(pipe_kv, kv_state)
+        for e in cutlass.range(e0, e1, unroll=1):
+            q_lo = mEnt[e, 0]
+            nblk = mEnt[e, 1]
+            # the transposed band: rows are keys, columns q rows (plan.build_bwd_plan_cpu)
+            ks = mEnt[e, 2]
+            ke = mEnt[e, 3]
+            lo = mEnt[e, 4]
+            hi = mEnt[e, 5]
+            qs = mEnt[e, 6]
+            qe = mEnt[e, 7]
+            f_lo = mEnt[e, 8]
+            f_hi = mEnt[e, 9]
+            for seg in cutlass.range_constexpr(3):
+                seg_lo = (0, f_lo, f_hi)[seg]
+                seg_hi = (f_lo, f_hi, nblk)[seg]
+                for j in cutlass.range(seg_lo, seg_hi, unroll=1):
+                    self.block_step(
+                        seg != 1, ctid, q_lo + j * self.tile_m, n0, head, ks, ke, lo, hi, qs, qe,
+                        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
+                        tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
+                        store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq,
+                        pipe_q, pipe_do, q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
+                    )  # fmt: skip
+                    q_state.advance()
+                    do_state.advance()
+        if ctid % 128 < 32:  # the last dQ reductions are done before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale)
+
+    @cute.jit
+    def block_step(
+        self, masked: cutlass.Constexpr[bool], ctid, qb, n0, head, ks, ke, lo, hi, qs, qe,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
+        tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
+        store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq,
+        pipe_q, pipe_do, q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
+    ):  # fmt: skip
+        """One q block (rows qb .. qb + tile_m) against this CTA's keys; the caller advances
+        the pipeline states."""
+        cfg = self.cfg
+        consumer_wait(pipe_q, q_state)
+        acc_S = cute.make_rmem_tensor(acc_shape_sdp, Float32)
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_state.index], True, -1)
+        consumer_wait(pipe_do, do_state)
+        acc_dP = cute.make_rmem_tensor(acc_shape_sdp, Float32)
+        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], True, -1)
+
+        # per-column (q row) statistics of this block, read while the GEMMs run
+        s = acc_rows_cols(acc_S)
+        ncol = cute.size(s, mode=[1])
+        lse2 = cute.make_rmem_tensor(ncol, Float32)
+        delta = cute.make_rmem_tensor(ncol, Float32)
+        for c in cutlass.range_constexpr(ncol):
+            q_row = qb + tScS[0, c][1]
+            lse2[c] = mLSE2[head, q_row]
+            delta[c] = mDelta[head, q_row]
+
+        warpgroup.wait_group(1)  # S^T
+        dtanh = None
+        if cutlass.const_expr(self.has_softcap):
+            # tanh before the mask (a masked -inf would give NaN in 1 - t^2), the mask before exp
+            dtanh = cute.make_rmem_tensor_like(acc_S, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                t = cute.math.tanh(acc_S[i] * score_premul, fastmath=True)
+                acc_S[i] = t
+                dtanh[i] = 1.0 - t * t
+        if cutlass.const_expr(masked):
+            apply_band_mask(acc_S, tScS, t0ScS, qb, n0, ks, ke, lo, hi, qs, qe)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            for c in cutlass.range_constexpr(ncol):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse2[c], fastmath=True)
+        tdVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+
+        warpgroup.wait_group(0)  # dP^T
+        dp = acc_rows_cols(acc_dP)
+        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+            for c in cutlass.range_constexpr(ncol):
+                dp[r, c] = s[r, c] * (dp[r, c] - delta[c])
+        if cutlass.const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_dP[i] * dtanh[i]
+        tdKrdS.store(acc_as_operand_a(acc_dP).load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+
+        # dS^T -> shared memory, once both warpgroups' dQ GEMMs of the previous block are done
+        mma_threads = 128 * cfg.num_mma_wg
+        cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=mma_threads)
+        cute.copy(store_atom, thr_store.retile(rdS), tdSsdS)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=mma_threads)
+
+        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_state.index], False, -1)
+        acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
+        wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True, -1)
+        wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_state.index], False, -1)
+        warpgroup.wait_group(1)  # dV and dQ
+        pipe_do.consumer_release(do_state)
+        self.add_dq(ctid, acc_dQ, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq, qb, softmax_scale)
+        warpgroup.wait_group(0)  # dK
+        pipe_q.consumer_release(q_state)
+
+    @cute.jit
+    def add_dq(self, ctid, acc_dQ, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq, qb, softmax_scale):
+        """dq_acc[qb + r, head, cols of this warpgroup] += softmax_scale * dQ[r, cols].
+
+        Registers -> this warpgroup's float32 tile in shared memory -> one TMA reduce-add
+        (rows past Tq are clipped by the TMA unit; rows the entry does not cover hold dS = 0,
+        so they add +0). Before overwriting the tile, the warpgroup's first warp (the TMA copy
+        elects its issuing lane within a whole warp) waits until its previous reduce-add has
+        read it."""
+        wg_idx = ctid // 128
+        barrier_id = int(NamedBarrier.DQWG1) + wg_idx
+        issuer = ctid % 128 < 32
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            tdQsdQ[i] = acc_dQ[i] * softmax_scale
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        if issuer:
+            gdQ = cute.local_tile(
+                cute.domain_offset((qb, 0), gdQ_head),
+                (self.tile_m, self.hdim // self.cfg.num_mma_wg),
+                (0, wg_idx),
+            )
+            s_part, g_part = cpasync.tma_partition(
+                tma_atom_dq,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sdQ_wg, 0, 2),
+                cute.group_modes(gdQ, 0, 2),
+            )
+            cute.copy(tma_atom_dq, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale):
+        """dk_acc / dv_acc rows of this tile += the register accumulators (dK times softmax_scale).
+
+        Other CTAs (the other q heads of a GQA group) add to the same rows: atomic adds."""
+        thr_dkv = tiled_mma_dkv.get_slice(ctid)
+        cdKV = acc_rows_cols(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim))))
+        dk = acc_rows_cols(acc_dK)
+        dv = acc_rows_cols(acc_dV)
+        total_k = mdK.shape[0]
+        row_stride = mdK.stride[0]
+        base_k = mdK.iterator + cute.crd2idx((0, head_kv, 0), mdK.layout)
+        base_v = mdV.iterator + cute.crd2idx((0, head_kv, 0), mdV.layout)
+        for r in cutlass.range_constexpr(cute.size(dk, mode=[0])):
+            row = n0 + cdKV[r, 0][0]
+            if row < total_k:
+                off = cutlass.Int64(row) * row_stride
+                for c in cutlass.range_constexpr(0, cute.size(dk, mode=[1]), 2):
+                    col = cdKV[r, c][1]
+                    red_add_f32x2(base_k + off + col, dk[r, c] * softmax_scale, dk[r, c + 1] * softmax_scale)
+                    red_add_f32x2(base_v + off + col, dv[r, c], dv[r, c + 1])

@@ -1,0 +1,310 @@
+"""GPU correctness of the sm90 CuTe DSL backward against a dense float64 oracle.
+
+Tolerance per gradient g in (dq, dk, dv): ||g - g64||_inf <= 2 * ||g_lowprec - g64||_inf + eps,
+where g_lowprec runs the same math in float32 with P and dS rounded to the input dtype (what
+the kernel feeds its GEMMs) and eps = 1e-3 * max(1, ||g64||_inf). The accumulators start with
+random values (the kernel adds to them) and NaN-poisoned memory is left behind by the caching
+allocator before every launch; no NaN ever; rows and keys nothing covers keep their values
+bitwise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ffa_kernels import testing
+from ffa_kernels.testing import (
+    block_causal_slices,
+    grid_slices,
+    segment_id_slices,
+    sliding_window_slices,
+    varlen_slices,
+)
+
+pytestmark = pytest.mark.gpu
+
+pytest.importorskip("cutlass")
+
+
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm90 GPU")
+
+
+def dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda"):
+    return testing.dense_mask(q_ranges, k_ranges, types, tq, tk).to(device)
+
+
+def random_slices(rng, tq, tk, n):
+    return grid_slices(rng, tq, tk, n, density=0.4)
+
+
+def poison_allocator(nbytes: int):
+    """Fill freed caching-allocator memory with NaN so fresh allocations start poisoned."""
+    x = torch.full((nbytes // 4 + 1024,), float("nan"), dtype=torch.float32, device="cuda")
+    del x
+
+
+# ----------------------------------------------------------------------------- oracle
+def oracle_grads(q, k, v, dout, mask, scale, softcap=0.0, sink_lse=None, lowprec=False):
+    """Dense attention gradients. Returns (dq, dk, dv) in float64, with out / lse of the same
+    precision recomputed inside (sink_lse: (Hq, Tq) natural-log sink mass, or None)."""
+    dt = torch.float32 if lowprec else torch.float64
+    _tq, hq, _ = q.shape
+    hk = k.shape[1]
+    rep = hq // hk
+    qf = q.to(dt).transpose(0, 1)  # (H, Tq, D)
+    kf = k.to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
+    vf = v.to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
+    dof = dout.to(dt).transpose(0, 1)
+    x = torch.matmul(qf, kf.transpose(1, 2)) * scale  # (H, Tq, Tk)
+    t = None
+    if softcap > 0:
+        t = torch.tanh(x / softcap)
+        x = softcap * t
+    neg = torch.tensor(float("-inf"), dtype=dt, device=q.device)
+    s = torch.where(mask.unsqueeze(0), x, neg)
+    lse = torch.logsumexp(s, dim=-1)
+    if sink_lse is not None:
+        lse = torch.logaddexp(lse, sink_lse.to(dt))
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.where(mask.unsqueeze(0), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
+    out = torch.matmul(p, vf)
+    delta = (dof * out).sum(-1, keepdim=True)
+    if lowprec:
+        p = p.to(q.dtype).to(dt)
+    dv = torch.matmul(p.transpose(1, 2), dof)
+    dp = torch.matmul(dof, vf.transpose(1, 2))
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1 - t * t)
+    if lowprec:
+        ds = ds.to(q.dtype).to(dt)
+    dq = torch.matmul(ds, kf) * scale
+    dk = torch.matmul(ds.transpose(1, 2), qf) * scale
+
+    def per_kv_head(g):  # (Hq, Tk, D) -> (Tk, Hk, D), summed over each kv head's q heads
+        return g.reshape(hk, rep, *g.shape[1:]).sum(1).transpose(0, 1)
+
+    return dq.transpose(0, 1).double(), per_kv_head(dk).double(), per_kv_head(dv).double()
+
+
+def forward_out_lse(q, k, v, mask, scale, softcap=0.0):
+    """The final out (q's dtype) and lse (float32) the backward is given, from float64 math."""
+    _tq, hq, _ = q.shape
+    rep = hq // k.shape[1]
+    qf = q.double().transpose(0, 1)
+    kf = k.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    vf = v.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    x = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    if softcap > 0:
+        x = softcap * torch.tanh(x / softcap)
+    s = torch.where(mask.unsqueeze(0), x, torch.tensor(float("-inf"), dtype=torch.float64, device=q.device))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.where(mask.unsqueeze(0), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
+    out = torch.matmul(p, vf).transpose(0, 1)
+    return out.to(q.dtype), lse.T.float().contiguous()
+
+
+def _check(name, got, ref, lowp, untouched=None):
+    assert not torch.isnan(got).any(), f"NaN in {name}"
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    scale = max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+    tol = 2 * ((lowp - ref).abs().max().item() if ref.numel() else 0.0) + 1e-3 * scale
+    assert err <= tol, f"{name} err {err:.3e} > tol {tol:.3e}"
+    return err, tol
+
+
+def run_bwd_case(
+    q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
+    packed_dkv=False,
+):  # fmt: skip
+    from ffa_kernels.cute import cute_backward_stage
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    scale = d**-0.5
+    mask = dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda")
+    out, lse = forward_out_lse(q, k, v, mask, scale, softcap)
+    dq0 = torch.randn(tq, hq, d, device="cuda", generator=g)
+    dk0 = torch.randn(tk, hk, d, device="cuda", generator=g)
+    dv0 = torch.randn(tk, hk, d, device="cuda", generator=g)
+    poison_allocator(8 * max(tq, tk) * hq * d * 4)
+    dq = dq0.clone()
+    if packed_dkv:
+        dkv = torch.stack([dk0, dv0], dim=1)
+        dk, dv = dkv[:, 0], dkv[:, 1]
+    else:
+        dk, dv = dk0.clone(), dv0.clone()
+    cute_backward_stage(
+        q, k, v, dout, out, lse,
+        torch.tensor(q_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
+        torch.tensor(k_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
+        torch.tensor(types, dtype=torch.int32, device="cuda"),
+        dq, dk, dv, softmax_scale=scale, softcap=softcap,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    ref = oracle_grads(q, k, v, dout, mask, scale, softcap)
+    lowp = oracle_grads(q, k, v, dout, mask, scale, softcap, lowprec=True)
+    errs = {}
+    for name, got, base, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), (dq0, dk0, dv0), ref, lowp):
+        errs[name] = _check(name, got.double() - base.double(), r, lp)
+    # rows / keys nothing covers: accumulators bitwise unchanged
+    q_cov, k_cov = mask.any(dim=1), mask.any(dim=0)
+    assert torch.equal(dq[~q_cov], dq0[~q_cov]), "dq rows nothing covers changed"
+    assert torch.equal(dk[~k_cov], dk0[~k_cov]), "dk rows nothing covers changed"
+    assert torch.equal(dv[~k_cov], dv0[~k_cov]), "dv rows nothing covers changed"
+    return errs
+
+
+# ----------------------------------------------------------------------------- tests
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bwd_full_and_causal(d, dtype):
+    run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, d=d, dtype=dtype)
+    run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=d, dtype=dtype)
+    run_bwd_case([[0, 900]], [[0, 300]], [1], 900, 300, d=d, dtype=dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("typ", [0, 1, 2, 3])
+def test_bwd_varlen_each_type(typ):
+    qr, kr, ty, t = varlen_slices([1, 77, 128, 300, 129, 513], typ)
+    run_bwd_case(qr, kr, ty, t, t, d=128)
+
+
+@requires_sm90
+def test_bwd_shared_q_rows_mixed_types():
+    qr = [[0, 300], [0, 300], [300, 310], [310, 600], [310, 600]]
+    kr = [[0, 100], [100, 500], [0, 700], [0, 50], [60, 61]]
+    ty = [1, 2, 3, 1, 0]
+    run_bwd_case(qr, kr, ty, 640, 700, d=64, dtype=torch.float16)
+    run_bwd_case(qr, kr, ty, 640, 700, d=128)
+
+
+@requires_sm90
+@pytest.mark.parametrize("seed", range(6))
+def test_bwd_random_slices(seed):
+    rng = random.Random(seed)
+    tq, tk = rng.randrange(1, 1500), rng.randrange(1, 1500)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    d = rng.choice([64, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    run_bwd_case(qr, kr, ty, tq, tk, d=d, dtype=dtype, seed=seed)
+
+
+@requires_sm90
+def test_bwd_uncovered_rows_and_empty():
+    run_bwd_case([[100, 400]], [[0, 256]], [0], 512, 256)
+    run_bwd_case([[0, 0]], [[0, 0]], [0], 200, 100)
+
+
+@requires_sm90
+@pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (64, 8), (8, 8)])
+def test_bwd_gqa(hq, hk):
+    qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
+    run_bwd_case(qr, kr, ty, t, t, hq=hq, hk=hk)
+
+
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_softcap(d):
+    qr, kr, ty, t = varlen_slices([500, 300], 1)
+    run_bwd_case(qr, kr, ty, t, t, d=d, softcap=20.0)
+    run_bwd_case(qr, kr, ty, t, t, d=d, softcap=5.0)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_sliding_window_block_causal_and_segment_ids(dtype, d):
+    qr, kr, ty = sliding_window_slices(1500, 200)
+    run_bwd_case(qr, kr, ty, 1500, 1500, d=d, dtype=dtype)
+    qr, kr, ty, t = block_causal_slices([700, 129, 1000], 128)
+    run_bwd_case(qr, kr, ty, t, t, d=d, dtype=dtype)
+    ids = [1] * 300 + [2] * 250 + [1] * 200 + [3] * 77 + [2] * 100
+    qr, kr, ty = segment_id_slices(ids)
+    run_bwd_case(qr, kr, ty, len(ids), len(ids), d=d, dtype=dtype, hq=8, hk=2)
+
+
+@requires_sm90
+def test_bwd_packed_dkv_in_place():
+    qr, kr, ty, t = varlen_slices([300, 500], 1)
+    run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, packed_dkv=True)
+
+
+@requires_sm90
+def test_bwd_stages_sum_to_one_call():
+    """Two stages over a split of the keys add up to one call over all of them."""
+    from ffa_kernels.cute import cute_backward_stage
+
+    t, hq, hk, d = 1100, 4, 2, 128
+    q, k, v, dout = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk, hq))
+    mask = dense_mask([[0, t]], [[0, t]], [1], t, t, device="cuda")
+    out, lse = forward_out_lse(q, k, v, mask, d**-0.5)
+    r = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    whole = [torch.zeros(t, h, d, device="cuda") for h in (hq, hk, hk)]
+    cute_backward_stage(
+        q, k, v, dout, out, lse, r([[0, t]]), r([[0, t]]), r([1]), *whole, softmax_scale=None, softcap=0.0
+    )
+    split = [torch.zeros(t, h, d, device="cuda") for h in (hq, hk, hk)]
+    # the causal mask as three stages: keys [0, 400) (their causal corner, then the FULL block
+    # below it) and keys [400, t) (causal)
+    for qr, kr, ty in (
+        ([[0, 400]], [[0, 400]], [1]),
+        ([[400, t]], [[0, 400]], [0]),
+        ([[0, t]], [[400, t]], [1]),
+    ):
+        cute_backward_stage(
+            q, k, v, dout, out, lse, r(qr), r(kr), r(ty), *split, softmax_scale=None, softcap=0.0
+        )
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+@requires_sm90
+@pytest.mark.parametrize("sink_layout", [None, "sh", "ssh"])
+def test_flex_flash_attn_autograd_uses_kernel(monkeypatch, sink_layout):
+    """flex_flash_attn_func's backward runs the kernel (FFA_BACKEND=cute: no silent fallback)
+    and its dq, dk, dv, dsink match float64 autograd through the reference backend."""
+    from ffa_kernels import flex_flash_attn_func
+
+    qr, kr, ty, t = varlen_slices([300, 457], 1)
+    hq, hk, d = 4, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hk, hk))
+    dout = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = None
+    if sink_layout == "sh":
+        sink = torch.randn(2, hq, device="cuda", generator=g)
+    elif sink_layout == "ssh":
+        sink = torch.randn(t, 3, hq, device="cuda", generator=g)
+    r = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+
+    def grads(xs, backend):
+        monkeypatch.setenv("FFA_BACKEND", backend)
+        xs = [x.detach().clone().requires_grad_(True) if x is not None else None for x in xs]
+        out, _ = flex_flash_attn_func(
+            *xs[:3], r(qr), r(kr), r(ty), sink=xs[3], sink_layout=sink_layout or "sh"
+        )
+        out.backward(dout.to(out.dtype))
+        return [x.grad if x is not None else None for x in xs]
+
+    got = grads([q, k, v, sink], "cute")
+    ref = grads([x.double() if x is not None else None for x in (q, k, v, sink)], "reference")
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, ref):
+        if b is None:
+            continue
+        assert not torch.isnan(a).any(), name
+        err = (a.double() - b).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{name}: err {err:.3e}"

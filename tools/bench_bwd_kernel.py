@@ -1,0 +1,67 @@
+"""The backward kernel alone (cute_backward_stage, preprocess cached), and what limits it: the same
+kernel with parts switched off (no dQ reductions, no per-block statistics loads). The variants
+compute wrong gradients on purpose; they only bound the time of the part they remove.
+
+    python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,no_dq,no_stats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+from bench_ffa import bench, make_cases
+
+
+def _variant(name: str) -> None:
+    """Patch the kernel class for one variant and drop every compiled backward."""
+    from ffa_kernels.cute import bwd_launch, bwd_sm90, compile_cache
+
+    os.environ["FFA_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"ffa_{name}_")
+    compile_cache.forget()
+    bwd_launch._LAUNCHERS.clear()
+    cls = bwd_sm90.FFABackwardSm90
+    if not hasattr(cls, "_orig_add_dq"):
+        cls._orig_add_dq = cls.add_dq
+    cls.add_dq = cls._orig_add_dq
+    if name == "no_dq":
+
+        def no_dq(self, *args):
+            pass
+
+        cls.add_dq = no_dq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="full8k,causal8k")
+    ap.add_argument("--variants", default="base,no_dq")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    from ffa_kernels.cute import cute_backward_stage, cute_forward
+
+    for case in make_cases(args.cases.split(",")):
+        torch.manual_seed(0)
+        q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn_like(q)
+        qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
+        kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
+        ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+        out, lse, _ = cute_forward(q, k, v, qr, kr, ty, softmax_scale=None, softcap=0.0, sink=None,
+                                   sink_layout="sh", return_max_logits=False)  # fmt: skip
+        accs = [torch.zeros(x.shape, device="cuda") for x in (q, k, v)]
+        call = (q, k, v, dout, out, lse, qr, kr, ty, *accs)
+        for name in args.variants.split(","):
+            _variant(name)
+            t = bench(lambda c=call: cute_backward_stage(*c, softmax_scale=None, softcap=0.0), args.iters)
+            tf = 10 * case.area * case.hq * case.d / t / 1e12
+            print(f"{case.name:30s} {name:10s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
+        _variant("base")
+
+
+if __name__ == "__main__":
+    main()
