@@ -308,3 +308,23 @@ def test_flex_flash_attn_autograd_uses_kernel(monkeypatch, sink_layout):
         assert not torch.isnan(a).any(), name
         err = (a.double() - b).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{name}: err {err:.3e}"
+
+
+@requires_sm90
+def test_deterministic_backward_is_bitwise_reproducible():
+    """deterministic=True: dq, dk, dv bitwise equal over 3 runs (GQA, so the kernel would add
+    dK/dV from several CTAs)."""
+    from ffa_kernels import flex_flash_attn_func
+
+    qr, kr, ty, t = varlen_slices([700, 900], 1)
+    r = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    q, k, v = (torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    dout = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out, _ = flex_flash_attn_func(*xs, r(qr), r(kr), r(ty), deterministic=True)
+        out.backward(dout)
+        runs.append([x.grad for x in xs])
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))

@@ -134,8 +134,19 @@ def _backward_stage(
     dq_acc: torch.Tensor,
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
+    deterministic: bool = False,
 ) -> None:
-    if _backend.select_backward_backend(args.q.device, args.q.dtype) == _backend.CUTE:
+    kernel = _backend.select_backward_backend(args.q.device, args.q.dtype) == _backend.CUTE
+    if kernel and deterministic:
+        # The kernel adds dQ (and GQA's dK/dV) from several CTAs in arrival order; until its
+        # ordered mode exists, a deterministic backward runs on the reference.
+        _backend.log_once(
+            "cute-deterministic",
+            "ffa_kernels: deterministic=True: the CuTe backward is not bitwise reproducible yet; "
+            "the backward runs on the reference backend",
+        )
+        kernel = False
+    if kernel:
         cute = _backend.load_cute()
         try:
             cute.cute_backward_stage(
@@ -308,7 +319,7 @@ class _FlexFlashAttn(torch.autograd.Function):
     """Autograd wrapper: differentiable in q, k, v and sink; lse and max_logits are not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits):  # type: ignore[override]
+    def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits, deterministic):  # type: ignore[override]
         out_full, lse_full, max_full = _forward_whole(args, sink, sink_layout, return_max_logits)
         out = out_full.to(q.dtype)
         lse = lse_full.to(torch.float32)
@@ -320,6 +331,7 @@ class _FlexFlashAttn(torch.autograd.Function):
         none = q.new_empty(0)
         ctx.args = dataclasses.replace(args, q=none, k=none, v=none)
         ctx.sink_layout = sink_layout
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse, max_logits)
         return out, lse, max_logits
 
@@ -333,11 +345,11 @@ class _FlexFlashAttn(torch.autograd.Function):
             dq_acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
             dk_acc = torch.zeros(k.shape, dtype=dtype, device=k.device)
             dv_acc = torch.zeros(v.shape, dtype=dtype, device=v.device)
-            _backward_stage(args, dout, out_acc, lse_acc, dq_acc, dk_acc, dv_acc)
+            _backward_stage(args, dout, out_acc, lse_acc, dq_acc, dk_acc, dv_acc, ctx.deterministic)
             dq, dk, dv = dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out_acc, dout, lse_acc)
-        return dq, dk, dv, dsink, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 def flex_flash_attn_func(
@@ -369,8 +381,9 @@ def flex_flash_attn_func(
             ``"ssh"``: extra logits in every row's softmax that add no output.
         softmax_scale: None means ``D ** -0.5``.
         softcap: when > 0 the logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
-        deterministic: accepted for API compatibility; the reference backend is always
-            deterministic.
+        deterministic: bitwise reproducible gradients. The reference backend always is; the
+            CuTe backward is not yet (it adds partial dQ from several CTAs in arrival order),
+            so with True the backward runs on the reference (logged once).
         return_max_logits: also return ``meta.max_logits``.
 
     Returns:
@@ -388,6 +401,6 @@ def flex_flash_attn_func(
     check_bool("deterministic", deterministic)
     check_bool("return_max_logits", return_max_logits)
     out, lse, max_logits = _FlexFlashAttn.apply(
-        args.q, args.k, args.v, sink, args, sink_layout, return_max_logits
+        args.q, args.k, args.v, sink, args, sink_layout, return_max_logits, deterministic
     )
     return out, AttnForwardMeta(lse=lse, max_logits=max_logits if return_max_logits else None)
