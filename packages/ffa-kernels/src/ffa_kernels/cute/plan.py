@@ -164,9 +164,9 @@ def build_bwd_plan_cpu(
 
     Work tiles are key tiles of ``tile_n`` keys; each entry walks ``tile_m``-row q blocks that
     start at its slice's first needed q row (entry column 0 is ``q_lo``; columns 2..7 hold the
-    transposed band ``qs, qe, ks - hi ... ``: ``ks' = qs, ke' = qe, lo' = -hi, hi' = -lo,
-    qs' = ks, qe' = ke``, so the forward's block-fullness test and band mask apply to the
-    transposed score tile S^T as they are). Key tiles with no entry are dropped (nothing to
+    transposed band ``ks' = qs, ke' = qe, lo' = -hi, hi' = -lo, qs' = ks, qe' = ke``, so the
+    forward's block-fullness test and band mask apply to the transposed score tile S^T as they
+    are). Key tiles with no entry are dropped (nothing to
     add); the rest go longest first.
     """
     bands = transpose_bands(slice_bands(q_ranges, k_ranges, attn_type_map))
