@@ -1,4 +1,5 @@
-"""GPU correctness of the sm90 CuTe DSL backward against a dense float64 oracle.
+"""GPU correctness of the sm90 CuTe DSL backward against a dense float64 oracle (autograd
+through `ffa_kernels.testing.dense_attention`).
 
 Tolerance per gradient g in (dq, dk, dv): ||g - g64||_inf <= 2 * ||g_lowprec - g64||_inf + eps,
 where g_lowprec runs the same math in float32 with P and dS rounded to the input dtype (what
@@ -51,12 +52,19 @@ def poison_allocator(nbytes: int):
 
 
 # ----------------------------------------------------------------------------- oracle
-def oracle_grads(q, k, v, dout, mask, scale, softcap=0.0, sink_lse=None, lowprec=False):
-    """Dense attention gradients. Returns (dq, dk, dv) in float64, with out / lse of the same
-    precision recomputed inside (sink_lse: (Hq, Tq) natural-log sink mass, or None)."""
-    dt = torch.float32 if lowprec else torch.float64
-    _tq, hq, _ = q.shape
-    hk = k.shape[1]
+def oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap=0.0):
+    """dq, dk, dv in float64: autograd through `ffa_kernels.testing.dense_attention`."""
+    xs = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    out, _, _ = testing.dense_attention(*xs, q_ranges, k_ranges, types, softmax_scale=scale, softcap=softcap)
+    out.backward(dout.double())
+    return tuple(x.grad for x in xs)
+
+
+def lowprec_grads(q, k, v, dout, mask, scale, softcap=0.0):
+    """The same gradients in float32 with P and dS rounded to q's dtype, as the kernel feeds its
+    GEMMs: (dq, dk, dv) in float64; their distance to the oracle sets the tolerance."""
+    dt = torch.float32
+    hq, hk = q.shape[1], k.shape[1]
     rep = hq // hk
     qf = q.to(dt).transpose(0, 1)  # (H, Tq, D)
     kf = k.to(dt).repeat_interleave(rep, dim=1).transpose(0, 1)
@@ -67,24 +75,17 @@ def oracle_grads(q, k, v, dout, mask, scale, softcap=0.0, sink_lse=None, lowprec
     if softcap > 0:
         t = torch.tanh(x / softcap)
         x = softcap * t
-    neg = torch.tensor(float("-inf"), dtype=dt, device=q.device)
-    s = torch.where(mask.unsqueeze(0), x, neg)
+    s = torch.where(mask.unsqueeze(0), x, torch.tensor(float("-inf"), dtype=dt, device=q.device))
     lse = torch.logsumexp(s, dim=-1)
-    if sink_lse is not None:
-        lse = torch.logaddexp(lse, sink_lse.to(dt))
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.where(mask.unsqueeze(0), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
-    out = torch.matmul(p, vf)
-    delta = (dof * out).sum(-1, keepdim=True)
-    if lowprec:
-        p = p.to(q.dtype).to(dt)
+    delta = (dof * torch.matmul(p, vf)).sum(-1, keepdim=True)
+    p = p.to(q.dtype).to(dt)
     dv = torch.matmul(p.transpose(1, 2), dof)
-    dp = torch.matmul(dof, vf.transpose(1, 2))
-    ds = p * (dp - delta)
+    ds = p * (torch.matmul(dof, vf.transpose(1, 2)) - delta)
     if t is not None:
         ds = ds * (1 - t * t)
-    if lowprec:
-        ds = ds.to(q.dtype).to(dt)
+    ds = ds.to(q.dtype).to(dt)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(1, 2), qf) * scale
 
@@ -94,25 +95,15 @@ def oracle_grads(q, k, v, dout, mask, scale, softcap=0.0, sink_lse=None, lowprec
     return dq.transpose(0, 1).double(), per_kv_head(dk).double(), per_kv_head(dv).double()
 
 
-def forward_out_lse(q, k, v, mask, scale, softcap=0.0):
+def forward_out_lse(q, k, v, q_ranges, k_ranges, types, scale, softcap=0.0):
     """The final out (q's dtype) and lse (float32) the backward is given, from float64 math."""
-    _tq, hq, _ = q.shape
-    rep = hq // k.shape[1]
-    qf = q.double().transpose(0, 1)
-    kf = k.double().repeat_interleave(rep, dim=1).transpose(0, 1)
-    vf = v.double().repeat_interleave(rep, dim=1).transpose(0, 1)
-    x = torch.matmul(qf, kf.transpose(1, 2)) * scale
-    if softcap > 0:
-        x = softcap * torch.tanh(x / softcap)
-    s = torch.where(mask.unsqueeze(0), x, torch.tensor(float("-inf"), dtype=torch.float64, device=q.device))
-    lse = torch.logsumexp(s, dim=-1)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.where(mask.unsqueeze(0), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
-    out = torch.matmul(p, vf).transpose(0, 1)
-    return out.to(q.dtype), lse.T.float().contiguous()
+    out, lse, _ = testing.dense_attention(
+        q.double(), k.double(), v.double(), q_ranges, k_ranges, types, softmax_scale=scale, softcap=softcap
+    )
+    return out.to(q.dtype), lse.float().contiguous()
 
 
-def _check(name, got, ref, lowp, untouched=None):
+def _check(name, got, ref, lowp):
     assert not torch.isnan(got).any(), f"NaN in {name}"
     err = (got - ref).abs().max().item() if ref.numel() else 0.0
     scale = max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
@@ -134,7 +125,7 @@ def run_bwd_case(
     dout = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
     scale = d**-0.5
     mask = dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda")
-    out, lse = forward_out_lse(q, k, v, mask, scale, softcap)
+    out, lse = forward_out_lse(q, k, v, q_ranges, k_ranges, types, scale, softcap)
     dq0 = torch.randn(tq, hq, d, device="cuda", generator=g)
     dk0 = torch.randn(tk, hk, d, device="cuda", generator=g)
     dv0 = torch.randn(tk, hk, d, device="cuda", generator=g)
@@ -153,8 +144,8 @@ def run_bwd_case(
         dq, dk, dv, softmax_scale=scale, softcap=softcap,
     )  # fmt: skip
     torch.cuda.synchronize()
-    ref = oracle_grads(q, k, v, dout, mask, scale, softcap)
-    lowp = oracle_grads(q, k, v, dout, mask, scale, softcap, lowprec=True)
+    ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
+    lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
     errs = {}
     for name, got, base, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), (dq0, dk0, dv0), ref, lowp):
         errs[name] = _check(name, got.double() - base.double(), r, lp)
@@ -250,8 +241,7 @@ def test_bwd_stages_sum_to_one_call():
 
     t, hq, hk, d = 1100, 4, 2, 128
     q, k, v, dout = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hk, hk, hq))
-    mask = dense_mask([[0, t]], [[0, t]], [1], t, t, device="cuda")
-    out, lse = forward_out_lse(q, k, v, mask, d**-0.5)
+    out, lse = forward_out_lse(q, k, v, [[0, t]], [[0, t]], [1], d**-0.5)
     r = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
     whole = [torch.zeros(t, h, d, device="cuda") for h in (hq, hk, hk)]
     cute_backward_stage(

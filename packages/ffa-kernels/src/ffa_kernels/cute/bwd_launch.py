@@ -9,28 +9,27 @@ import torch
 
 from .._identity_cache import IdentityCache
 from .compile_cache import arch, compiled_kernel, dtype_of, placeholder_args
-from .config import BwdConfig, default_bwd_config
-from .launch import SUPPORTED_HEAD_DIMS, _aligned16, _kv_rows
+from .config import HEAD_GROUP_SHIFT, BwdConfig, default_bwd_config
+from .launch import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
 from .launcher import make_launcher
 from .plan import get_plan
 
 _LOG2_E = math.log2(math.e)
-_L2_BUDGET = 24 * 1024 * 1024
 
 
 def bwd_arg_spec() -> list[tuple[str, str, int]]:
     """(kind, element, alignment) of the backward kernel's arguments (launcher.arg_spec's format).
 
-    Order: pointers q, k, v, dout ("in"), lse2, delta (f32), dq_acc (f32, a TMA target: 16-byte
-    aligned), dk_acc, dv_acc (f32, only 8-byte aligned: added to two elements at a time), work,
-    entries (i32); int32 total_q,
-    total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride, dkv_row_stride, stat_stride;
-    float32 scale_log2, score_premul, softmax_scale; int32 flags; the stream.
+    Order: pointers q, k, v, dout ("in"), lse2, delta, dq_acc (f32; dq_acc is a TMA target,
+    16-byte aligned), dk_acc, dv_acc (f32, only 8-byte aligned: added to two elements at a time),
+    work, entries (i32); int32 total_q, total_k, heads_q, heads_k, num_work, num_entries,
+    kv_row_stride, dkv_row_stride, stat_stride; float32 scale_log2, score_premul, softmax_scale;
+    int32 flags; the stream.
     """
     ptrs = (
         [("ptr", "in", 16)] * 4
-        + [("ptr", "f32", 16)] * 2
-        + [("ptr", "f32", 8)] * 3
+        + [("ptr", "f32", 16)] * 3
+        + [("ptr", "f32", 8)] * 2
         + [("ptr", "i32", 16)] * 2
     )
     return ptrs + [("i32", "", 0)] * 9 + [("f32", "", 0)] * 3 + [("i32", "", 0), ("stream", "", 0)]
@@ -72,12 +71,9 @@ def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool):
 
 
 def bwd_head_group_size(total_q: int, hq: int, d: int, override: int | None = None) -> int:
-    """How many q heads run side by side (CTA order) so that their Q, dO (16-bit) and dq rows
-    (float32) stay in L2 while the key tiles of the group re-read them."""
-    g = override
-    if g is None:
-        g = max(1, _L2_BUDGET // max(1, total_q * d * 8))
-    return int(max(1, min(hq, g, (1 << 23) - 1)))
+    """The backward's head group: q heads whose Q, dO (16-bit) and dq rows (float32) stay in L2
+    while the key tiles of the group re-read them."""
+    return l2_head_group(total_q * d * 8, 1, hq, override)
 
 
 def stat_stride(total_q: int, tile_m: int) -> int:
@@ -86,7 +82,9 @@ def stat_stride(total_q: int, tile_m: int) -> int:
     return (total_q + tile_m + 3) // 4 * 4
 
 
-_STATS_CACHE = IdentityCache(maxsize=4)
+# The stages of one backward run back to back: one entry (its GPU tensor stays alive until the
+# next backward replaces it).
+_STATS_CACHE = IdentityCache(maxsize=1)
 
 
 def bwd_preprocess(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int) -> torch.Tensor:
@@ -113,11 +111,13 @@ def bwd_preprocess(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, til
 
 
 def _dense_f32(t: torch.Tensor) -> bool:
+    """Rows of (H, D) float32 the kernel can add to in place: dense, pairs 8-byte aligned."""
     return (
         t.dtype == torch.float32
         and t.stride(-1) == 1
         and t.stride(-2) == t.shape[-1]
-        and t.data_ptr() % 4 == 0
+        and t.stride(0) % 2 == 0
+        and t.data_ptr() % 8 == 0
     )
 
 
@@ -150,17 +150,12 @@ def cute_backward_stage(
     other layouts go through a contiguous temporary). Raises NotImplementedError for what the
     kernel does not serve (head dim, dtype, float64 accumulators): the caller falls back.
     """
+    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
     d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: the sm90 backward supports {SUPPORTED_HEAD_DIMS}, got {d}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise NotImplementedError(f"q: the sm90 backward supports bfloat16 and float16, got {q.dtype}")
     for name, t in (("dq_acc", dq_acc), ("dk_acc", dk_acc), ("dv_acc", dv_acc)):
         if t.dtype != torch.float32:
             raise NotImplementedError(f"{name}: the sm90 backward adds into float32, got {t.dtype}")
     cfg = config or default_bwd_config(d)
-    softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
-    softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
     total_q, hq, _ = q.shape
     total_k, hk, _ = k.shape
     if total_q == 0 or total_k == 0:
@@ -182,11 +177,8 @@ def cute_backward_stage(
         dk = torch.zeros(dk_acc.shape, dtype=torch.float32, device=dev)
         dv = torch.zeros(dv_acc.shape, dtype=torch.float32, device=dev)
         dkv_row_stride = hk * d
-    if softcap > 0.0:  # tanh(premul * s) * softcap, then exp2 with softcap * log2(e)
-        scale_log2, premul = softcap * _LOG2_E, softmax_scale / softcap
-    else:
-        scale_log2, premul = softmax_scale * _LOG2_E, 1.0
-    flags = bwd_head_group_size(total_q, hq, d, head_group) << 8
+    scale_log2, premul = score_constants(softmax_scale, softcap)
+    flags = bwd_head_group_size(total_q, hq, d, head_group) << HEAD_GROUP_SHIFT
     fn = _launcher(q.dtype, cfg, softcap > 0.0)
     fn(
         (

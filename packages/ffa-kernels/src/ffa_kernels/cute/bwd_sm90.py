@@ -44,8 +44,7 @@ from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, wgmma
 from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
 from .plan import ENTRY_COLS
-
-HEAD_GROUP_SHIFT = 8  # flags >> 8: number of q heads per L2 group (CTA order)
+from .schedule import cta_work_and_head
 
 
 class FFABackwardSm90:
@@ -252,17 +251,7 @@ class FFABackwardSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        # CTA order: q heads in groups of G (their Q, dO and dq rows fit in L2); inside a group
-        # the key tiles go longest first, the G heads of one tile next to each other.
-        bid, _, _ = cute.arch.block_idx()
-        group = flags >> HEAD_GROUP_SHIFT
-        per_group = num_work * group
-        g = bid // per_group
-        h0 = g * group
-        gsz = cutlass.min(group, num_heads - h0)
-        idx = bid - g * per_group
-        w = idx // gsz
-        head = h0 + idx - w * gsz
+        w, head = cta_work_and_head(flags, num_work, num_heads)
         n0 = mWork[w, 0]
         e0 = mWork[w, 1]
         e1 = mWork[w, 2]

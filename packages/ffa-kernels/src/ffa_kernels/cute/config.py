@@ -6,9 +6,28 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+# The kernels' int32 flag word holds, from this bit up, how many q heads run side by side in the
+# CTA order (schedule.py); the bits below are the forward's feature flags.
+HEAD_GROUP_SHIFT = 8
+
+
+class _KernelConfig:
+    """What every kernel config derives from its fields: thread count and compile-key part."""
+
+    num_mma_wg: int
+
+    @property
+    def num_threads(self) -> int:
+        """A producer warpgroup plus the consumer warpgroups."""
+        return 128 * (self.num_mma_wg + 1)
+
+    def key(self) -> tuple:
+        """Every field, in order (the compile key part of this config)."""
+        return dataclasses.astuple(self)
+
 
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdConfig(_KernelConfig):
     """Static shape of one compiled forward kernel.
 
     Everything here is part of the JIT compile key; nothing here depends on the call's
@@ -33,14 +52,6 @@ class FwdConfig:
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         assert self.num_stages >= 2
 
-    @property
-    def num_threads(self) -> int:
-        return 128 * (self.num_mma_wg + 1)
-
-    def key(self) -> tuple:
-        """Every field, in order (the compile key part of this config)."""
-        return dataclasses.astuple(self)
-
 
 @functools.cache
 def default_config(head_dim: int) -> FwdConfig:
@@ -51,7 +62,7 @@ def default_config(head_dim: int) -> FwdConfig:
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(_KernelConfig):
     """Static shape of one compiled backward kernel (part of its compile key).
 
     A CTA owns ``tile_n`` keys of one K/V head (``tile_n / num_mma_wg`` per consumer warpgroup)
@@ -73,14 +84,6 @@ class BwdConfig:
         assert self.tile_n == 64 * self.num_mma_wg
         assert self.tile_m == 64
         assert self.num_stages >= 1
-
-    @property
-    def num_threads(self) -> int:
-        return 128 * (self.num_mma_wg + 1)
-
-    def key(self) -> tuple:
-        """Every field, in order (the compile key part of this config)."""
-        return dataclasses.astuple(self)
 
 
 @functools.cache

@@ -46,11 +46,11 @@ from .pipeline import (
     tma_load_rows,
 )
 from .plan import ENTRY_COLS
+from .schedule import cta_work_and_head
 from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_rows
 
 FLAG_HAS_SINK = 1
 FLAG_MAX_LOGITS = 2
-HEAD_GROUP_SHIFT = 8  # flags >> 8: number of q heads per L2 group (CTA order)
 
 
 class FFAForwardSm90:
@@ -251,18 +251,7 @@ class FFAForwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        # work item of this CTA
-        bid, _, _ = cute.arch.block_idx()
-        # CTA order: heads in groups of G (K/V of a group fit in L2); inside a group the work
-        # tiles go longest first, the G heads of one tile next to each other.
-        group = flags >> HEAD_GROUP_SHIFT
-        per_group = num_work * group
-        g = bid // per_group
-        h0 = g * group
-        gsz = cutlass.min(group, num_heads - h0)
-        idx = bid - g * per_group
-        w = idx // gsz
-        head = h0 + idx - w * gsz
+        w, head = cta_work_and_head(flags, num_work, num_heads)
         m0 = mWork[w, 0]
         e0 = mWork[w, 1]
         e1 = mWork[w, 2]

@@ -11,7 +11,7 @@ import torch
 from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
-from .config import FwdConfig, default_config
+from .config import HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .launcher import ACCUMULATOR_ALIGN, arg_spec, make_launcher
 from .plan import get_plan
 
@@ -61,15 +61,27 @@ def get_kernel(
 _L2_BUDGET = 24 * 1024 * 1024
 
 
-def head_group_size(total_k: int, hq: int, hk: int, d: int, elem: int, override: int | None = None) -> int:
-    """How many q heads run side by side (CTA order) so that their K and V stay in L2."""
+def l2_head_group(unit_bytes: int, heads_per_unit: int, hq: int, override: int | None = None) -> int:
+    """How many q heads run side by side in the CTA order (schedule.py): whole units of
+    ``heads_per_unit`` q heads, as many as keep the ``unit_bytes`` each unit's CTAs re-read
+    within the L2 budget (``override``: that many heads). Clamped to [1, hq]."""
     g = override
     if g is None:
-        ratio = hq // hk
-        kv_bytes_per_kv_head = 2 * total_k * d * elem
-        kv_heads = max(1, _L2_BUDGET // max(1, kv_bytes_per_kv_head))
-        g = kv_heads * ratio
+        g = max(1, _L2_BUDGET // max(1, unit_bytes)) * heads_per_unit
     return int(max(1, min(hq, g, (1 << 23) - 1)))
+
+
+def head_group_size(total_k: int, hq: int, hk: int, d: int, elem: int, override: int | None = None) -> int:
+    """The forward's head group: the q heads of whole kv heads whose K and V stay in L2."""
+    return l2_head_group(2 * total_k * d * elem, hq // hk, hq, override)
+
+
+def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """``(scale_log2, score_premul)`` of the kernels' softmax: exp2(s * scale_log2 - ...) with
+    s the raw score, or with softcap, s = tanh(premul * raw) and scale_log2 = softcap * log2(e)."""
+    if softcap > 0.0:
+        return softcap * _LOG2_E, softmax_scale / softcap
+    return softmax_scale * _LOG2_E, 1.0
 
 
 def _sink_lse(sink, sink_layout: str, total_q: int, num_heads: int, device) -> torch.Tensor | None:
@@ -85,9 +97,9 @@ class _Runtime:
 
     def __init__(self):
         cutlass_modules()
-        from .fwd_sm90 import FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
+        from .fwd_sm90 import FLAG_HAS_SINK, FLAG_MAX_LOGITS
 
-        self.flag_sink, self.flag_ml, self.group_shift = FLAG_HAS_SINK, FLAG_MAX_LOGITS, HEAD_GROUP_SHIFT
+        self.flag_sink, self.flag_ml = FLAG_HAS_SINK, FLAG_MAX_LOGITS
         self.launchers: dict[tuple, object] = {}
 
     def launcher(self, torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool):
@@ -112,19 +124,26 @@ def _runtime() -> _Runtime:
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
-def _prepare(q: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None):
-    """Checks and settings both entry points share: (runtime, config, softmax_scale, softcap).
-
-    "Unsupported" is said (NotImplementedError) before anything runs: the frontend then serves
-    the call from the reference backend."""
+def kernel_scales(
+    q: torch.Tensor, softmax_scale: float | None, softcap: float, what: str
+) -> tuple[float, float]:
+    """``(softmax_scale, softcap)`` as the kernels take them (None -> D ** -0.5; softcap <= 0 -> 0),
+    after the checks every sm90 kernel shares. "Unsupported" is said (NotImplementedError, naming
+    ``what``) before anything runs: the frontend then serves the call from the reference backend."""
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: the sm90 kernel supports {SUPPORTED_HEAD_DIMS}, got {d}")
+        raise NotImplementedError(f"head_dim: the sm90 {what} supports {SUPPORTED_HEAD_DIMS}, got {d}")
     if q.dtype not in (torch.bfloat16, torch.float16):
-        raise NotImplementedError(f"q: the sm90 kernel supports bfloat16 and float16, got {q.dtype}")
+        raise NotImplementedError(f"q: the sm90 {what} supports bfloat16 and float16, got {q.dtype}")
     softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
     softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
-    return _runtime(), config or default_config(d), softmax_scale, softcap
+    return softmax_scale, softcap
+
+
+def _prepare(q: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None):
+    """Checks and settings both forward entry points share: (runtime, config, softmax_scale, softcap)."""
+    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "kernel")
+    return _runtime(), config or default_config(q.shape[-1]), softmax_scale, softcap
 
 
 def accumulators_fit(
@@ -183,13 +202,8 @@ def _launch(
     fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate)
     q = _aligned16(q)
     k, v, kv_row_stride = _kv_rows(k, v)
-    if has_softcap:  # tanh(premul * s) * softcap, then exp2 with softcap * log2(e)
-        scale_log2 = softcap * _LOG2_E
-        premul = softmax_scale / softcap
-    else:
-        scale_log2 = softmax_scale * _LOG2_E
-        premul = 1.0
-    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << rt.group_shift
+    scale_log2, premul = score_constants(softmax_scale, softcap)
+    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << HEAD_GROUP_SHIFT
     fn(
         (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),

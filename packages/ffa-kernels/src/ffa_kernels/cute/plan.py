@@ -1,4 +1,4 @@
-"""Host-side, vectorised torch "plan": attention slices -> work tiles for the sm90 kernel.
+"""Host-side, vectorised torch "plan": attention slices -> work tiles for the sm90 kernels.
 
 Every slice is rewritten as a *band*: it covers cell (q, k) iff
 
@@ -20,6 +20,9 @@ Tables (int32, on the device):
   entries (E, 12): k_lo, nblk, ks, ke, lo, hi, qs, qe, jf_lo, jf_hi, 0, 0
 Blocks j in [jf_lo, jf_hi) of an entry (first key k_lo + j * tile_n) are fully covered: the
 kernel runs them without any masking; the others get the band mask.
+
+The backward's plan (`build_bwd_plan_cpu`) is the same construction on the transposed mask:
+key tiles as work tiles, q blocks as their entries' blocks; key tiles with no entry are dropped.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ ENTRY_COLS = 12
 
 
 @dataclass
-class FwdPlan:
+class TilePlan:
     work: torch.Tensor  # int32 (W, 4)
     entries: torch.Tensor  # int32 (max(E,1), ENTRY_COLS)
     num_work: int
     num_entries: int
-    total_blocks: int  # sum over work tiles of K/V blocks (per head)
+    total_blocks: int  # sum over work tiles of their blocks (per head)
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -166,8 +169,7 @@ def build_bwd_plan_cpu(
     start at its slice's first needed q row (entry column 0 is ``q_lo``; columns 2..7 hold the
     transposed band ``ks' = qs, ke' = qe, lo' = -hi, hi' = -lo, qs' = ks, qe' = ke``, so the
     forward's block-fullness test and band mask apply to the transposed score tile S^T as they
-    are). Key tiles with no entry are dropped (nothing to
-    add); the rest go longest first.
+    are). Key tiles with no entry are dropped (nothing to add); the rest go longest first.
     """
     bands = transpose_bands(slice_bands(q_ranges, k_ranges, attn_type_map))
     work, entries, total_blocks = build_band_plan(bands, total_k, tile_n, tile_m)
@@ -175,7 +177,7 @@ def build_bwd_plan_cpu(
     return work, entries, total_blocks
 
 
-_PLAN_CACHE: dict[tuple, FwdPlan] = {}
+_PLAN_CACHE: dict[tuple, TilePlan] = {}
 _PLAN_CACHE_MAX = 64
 _IDENT_CACHE = IdentityCache(maxsize=_PLAN_CACHE_MAX)
 
@@ -190,7 +192,7 @@ def get_plan(
     device: torch.device,
     *,
     backward: bool = False,
-) -> FwdPlan:
+) -> TilePlan:
     """Plan with two small caches (``backward``: `build_bwd_plan_cpu` with ``total_q`` the
     number of keys, ``tile_m`` the key tile and ``tile_n`` the q block).
 
@@ -211,7 +213,7 @@ def get_plan(
 
 def _get_plan_by_content(
     q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward: bool
-) -> FwdPlan:
+) -> TilePlan:
     qr = q_ranges.detach().to("cpu", torch.int32).contiguous()
     kr = k_ranges.detach().to("cpu", torch.int32).contiguous()
     tm = None if attn_type_map is None else attn_type_map.detach().to("cpu", torch.int32).contiguous()
@@ -230,7 +232,7 @@ def _get_plan_by_content(
         return plan
     build = build_bwd_plan_cpu if backward else build_plan_cpu
     work, entries, total_blocks = build(qr, kr, tm, total_q, tile_m, tile_n)
-    plan = FwdPlan(
+    plan = TilePlan(
         work=work.to(device, non_blocking=False),
         entries=entries.to(device, non_blocking=False),
         num_work=int(work.shape[0]),
