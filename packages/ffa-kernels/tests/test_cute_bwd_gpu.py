@@ -114,7 +114,7 @@ def _check(name, got, ref, lowp):
 
 def run_bwd_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
-    packed_dkv=False,
+    acc_layout="separate",
 ):  # fmt: skip
     from ffa_kernels.cute import cute_backward_stage
 
@@ -131,9 +131,19 @@ def run_bwd_case(
     dv0 = torch.randn(tk, hk, d, device="cuda", generator=g)
     poison_allocator(8 * max(tq, tk) * hq * d * 4)
     dq = dq0.clone()
-    if packed_dkv:
+    if acc_layout == "packed":  # views of one (Tk, 2, Hk, D) buffer: updated in place
         dkv = torch.stack([dk0, dv0], dim=1)
         dk, dv = dkv[:, 0], dkv[:, 1]
+    elif acc_layout == "offset":  # bases 4 bytes past an 8-byte boundary: through temporaries
+
+        def offset_copy(x):
+            buf = torch.empty(x.numel() + 1, device="cuda")
+            y = buf[1:].view(x.shape)
+            y.copy_(x)
+            return y
+
+        dq, dk, dv = offset_copy(dq0), offset_copy(dk0), offset_copy(dv0)
+        assert dk.data_ptr() % 8 == 4 and dq.data_ptr() % 16 != 0
     else:
         dk, dv = dk0.clone(), dv0.clone()
     cute_backward_stage(
@@ -229,9 +239,10 @@ def test_bwd_sliding_window_block_causal_and_segment_ids(dtype, d):
 
 
 @requires_sm90
-def test_bwd_packed_dkv_in_place():
+@pytest.mark.parametrize("acc_layout", ["packed", "offset"])
+def test_bwd_accumulator_layouts(acc_layout):
     qr, kr, ty, t = varlen_slices([300, 500], 1)
-    run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, packed_dkv=True)
+    run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, acc_layout=acc_layout)
 
 
 @requires_sm90
