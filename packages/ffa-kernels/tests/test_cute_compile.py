@@ -61,23 +61,25 @@ def random_slices(rng, tq, tk, n):
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("tiles", [(128, 128), (64, 32)])
-def test_plan_covers_mask_exactly(seed, tiles):
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 64)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_plan_covers_mask_exactly(seed, tiles, backward):
+    """The forward plan (row tiles = q tiles) and the backward's (the forward's construction on
+    the transposed mask: row tiles = key tiles, blocks of q rows) cover every cell once."""
+    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+
     tile_m, tile_n = tiles
-    rng = random.Random(seed)
+    rng = random.Random(seed + 100 * backward)
     tq, tk = rng.randrange(1, 700), rng.randrange(1, 700)
     qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 6))
-    work, ent, _total_blocks = build_plan_cpu(
-        torch.tensor(qr, dtype=torch.int32),
-        torch.tensor(kr, dtype=torch.int32),
-        torch.tensor(ty),
-        tq,
-        tile_m,
-        tile_n,
-    )
-    ref = dense_mask(qr, kr, ty, tq, tk)
-    cov = simulate_plan(work, ent, tq, tk, tile_m, tile_n)
-    assert torch.equal(cov, ref)
+    ranges = (torch.tensor(qr, dtype=torch.int32), torch.tensor(kr, dtype=torch.int32), torch.tensor(ty))
+    if backward:
+        work, ent, _ = build_bwd_plan_cpu(*ranges, tk, tile_m, tile_n)
+        cov = simulate_plan(work, ent, tk, tq, tile_m, tile_n, every_tile=False).T
+    else:
+        work, ent, _ = build_plan_cpu(*ranges, tq, tile_m, tile_n)
+        cov = simulate_plan(work, ent, tq, tk, tile_m, tile_n)
+    assert torch.equal(cov, dense_mask(qr, kr, ty, tq, tk))
     # longest first
     assert torch.all(work[:-1, 3] >= work[1:, 3])
 
@@ -227,27 +229,6 @@ def test_accumulate_exported_and_validates():
 
 
 # ----------------------------------------------------------------------------- backward
-@pytest.mark.parametrize("seed", range(12))
-def test_bwd_plan_covers_mask_exactly(seed):
-    from ffa_kernels.cute.plan import build_bwd_plan_cpu
-
-    rng = random.Random(100 + seed)
-    tq, tk = rng.randrange(1, 700), rng.randrange(1, 700)
-    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 6))
-    work, ent, _ = build_bwd_plan_cpu(
-        torch.tensor(qr, dtype=torch.int32),
-        torch.tensor(kr, dtype=torch.int32),
-        torch.tensor(ty),
-        tk,
-        128,
-        64,
-    )
-    # the backward plan is the forward's on the transposed mask: rows are keys, columns q rows
-    cov_t = simulate_plan(work, ent, tk, tq, 128, 64, every_tile=False)
-    assert torch.equal(cov_t.T, dense_mask(qr, kr, ty, tq, tk))
-    assert torch.all(work[:-1, 3] >= work[1:, 3])  # longest first
-
-
 def test_bwd_plan_causal_counts():
     from ffa_kernels.cute.plan import build_bwd_plan_cpu
 

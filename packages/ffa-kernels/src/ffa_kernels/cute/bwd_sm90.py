@@ -33,7 +33,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
@@ -41,7 +40,7 @@ from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_ini
 from .atomics import red_add_f32x2
 from .config import BwdConfig
 from .masking import apply_band_mask, score_coords
-from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, wgmma
+from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
 from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
 from .plan import ENTRY_COLS
 from .schedule import cta_work_and_head
@@ -112,35 +111,14 @@ class FFABackwardSm90:
         )
 
         # S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = q rows of the block
-        tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
-            tiler_mn=(64, self.tile_m),
-        )
+        tiled_mma_sdp = tiled_wgmma(self.dtype, (cfg.num_mma_wg, 1, 1), (64, self.tile_m))
         # dV += P^T dO, dK += dS^T Q: A from registers, B = dO / Q read transposed (MN-major)
-        tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
-            tiler_mn=(64, D),
-            a_source=warpgroup.OperandSource.RMEM,
+        tiled_mma_dkv = tiled_wgmma(
+            self.dtype, (cfg.num_mma_wg, 1, 1), (64, D), b_transposed=True, a_in_registers=True
         )
         # dQ = dS K: M = the block's q rows, each warpgroup one half of the head dim
-        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(1, cfg.num_mma_wg, 1),
-            tiler_mn=(64, D // cfg.num_mma_wg),
+        tiled_mma_dq = tiled_wgmma(
+            self.dtype, (1, cfg.num_mma_wg, 1), (64, D // cfg.num_mma_wg), b_transposed=True
         )
         sQ_layout = smem_layout(self.dtype, self.tile_m, D, cfg.num_stages)
         # K is read MN-major by the dQ GEMM in head-dim slices of D / num_mma_wg columns

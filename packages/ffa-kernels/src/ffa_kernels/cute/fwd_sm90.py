@@ -29,14 +29,13 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
 from .config import FwdConfig
 from .masking import apply_band_mask, block_is_full, score_coords
-from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, wgmma
+from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
 from .pipeline import (
     NamedBarrier,
     consumer_wait,
@@ -113,24 +112,9 @@ class FFAForwardSm90:
         mKt = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
         mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
 
-        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(cfg.num_mma_wg, 1, 1),
-            tiler_mn=(64, self.hdim),
-            a_source=warpgroup.OperandSource.RMEM,
+        tiled_mma_qk = tiled_wgmma(self.dtype, (cfg.num_mma_wg, 1, 1), (64, self.tile_n))
+        tiled_mma_pv = tiled_wgmma(
+            self.dtype, (cfg.num_mma_wg, 1, 1), (64, self.hdim), b_transposed=True, a_in_registers=True
         )
         sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim, None)
         sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)

@@ -5,8 +5,34 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
+
+
+def tiled_wgmma(
+    dtype,
+    atom_layout_mnk: tuple,
+    tiler_mn: tuple,
+    *,
+    b_transposed: bool = False,
+    a_in_registers: bool = False,
+):
+    """A float32-accumulating wgmma of ``dtype`` operands over the warpgroups ``atom_layout_mnk``
+    (each computing a ``tiler_mn`` tile). A is K-major (from shared memory, or from registers
+    with ``a_in_registers``); B is K-major, or MN-major with ``b_transposed`` (a row-major tile
+    read as its transpose)."""
+    major = warpgroup.OperandMajorMode
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        major.K,
+        major.MN if b_transposed else major.K,
+        Float32,
+        atom_layout_mnk=atom_layout_mnk,
+        tiler_mn=tiler_mn,
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None, atom_cols: int | None = None):
