@@ -1,4 +1,4 @@
-"""Slice geometry: the API.md table, visible rows, and the row-block / tile walk."""
+"""Slice geometry: the docs/api.md table, visible rows, and the row-block / tile walk."""
 
 import random
 

@@ -5,7 +5,7 @@ import the worker function by name.
 
 A *layout* is the GLOBAL description of one group_cast: every rank's input splits with their
 destination sets, and every rank's output splits with their source, interleaved at random but
-respecting the pairing rule of API.md (per sender/receiver pair, sender input order = receiver
+respecting the pairing rule of docs/api.md (per sender/receiver pair, sender input order = receiver
 output order). The matching group_reduce is its transpose, so one generator serves both.
 """
 

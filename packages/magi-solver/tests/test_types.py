@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from magi_solver import AttnMask, AttnMaskType, AttnRange, AttnRanges, AttnSlice
 
-API_TABLE = {  # API.md: sq=2, sk=5
+API_TABLE = {  # docs/api.md: sq=2, sk=5
     "full": ["11111", "11111"],
     "causal": ["11110", "11111"],
     "inv_causal": ["11111", "01111"],

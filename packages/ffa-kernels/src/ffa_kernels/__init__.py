@@ -1,6 +1,6 @@
 """flex_flash_attn_func: flexible-mask FlashAttention (CuTe DSL Hopper kernels and a torch reference backend).
 
-Public API (the contract is API.md):
+Public API (the contract is docs/api.md):
 
 - `flex_flash_attn_func(q, k, v, q_ranges, k_ranges, attn_type_map=None, *, sink=None,
   sink_layout="sh", softmax_scale=None, softcap=0.0, deterministic=False,

@@ -367,7 +367,7 @@ def flex_flash_attn_func(
     deterministic: bool = False,
     return_max_logits: bool = False,
 ) -> tuple[torch.Tensor, AttnForwardMeta]:
-    """Flexible-mask attention over a union of slices (API.md), differentiable in q, k, v, sink.
+    """Flexible-mask attention over a union of slices (docs/api.md), differentiable in q, k, v, sink.
 
     Args:
         q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64 (the

@@ -1,7 +1,7 @@
 """Masks of a block: the single place where slice geometry becomes row blocks and column tiles.
 
 The reference forward and backward both walk the slices through `iter_row_blocks` and
-`RowBlock.tiles`, so the mask semantics of API.md live here only:
+`RowBlock.tiles`, so the mask semantics of docs/api.md live here only:
 
     local row i = q - qs, local column j = k - ks, sq = qe - qs, sk = ke - ks
     FULL: always   CAUSAL: j <= i + (sk - sq)   INVCAUSAL: j >= i   BICAUSAL: both

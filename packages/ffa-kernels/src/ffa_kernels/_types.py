@@ -1,6 +1,6 @@
 """Small shared types: the mask-type integer codes and the forward metadata dataclass.
 
-`ffa_kernels` must install and work alone (see API.md), so it does not import `magi_solver`'s
+`ffa_kernels` must install and work alone (see docs/api.md), so it does not import `magi_solver`'s
 `AttnMaskType`; it only speaks the integer codes that both packages agree on.
 """
 
@@ -15,7 +15,7 @@ __all__ = ["BICAUSAL", "CAUSAL", "FULL", "INVCAUSAL", "AttnForwardMeta", "MaskTy
 
 
 class MaskType(enum.IntEnum):
-    """Integer codes of the four slice mask types, as used in `attn_type_map` (API.md).
+    """Integer codes of the four slice mask types, as used in `attn_type_map` (docs/api.md).
 
     With local row ``i`` and local column ``j`` of a slice of ``sq`` rows and ``sk`` columns:
     FULL keeps every cell, CAUSAL (bottom-right aligned) keeps ``j <= i + (sk - sq)``,

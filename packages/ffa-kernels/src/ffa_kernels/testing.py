@@ -1,7 +1,7 @@
 """Test helpers: a brute-force dense oracle and a random slice generator (small sizes only).
 
 The oracle is written independently of the reference backend (no shared mask code): it builds
-the dense ``(Tq, Tk)`` mask straight from the API.md condition and runs a plain softmax, so it
+the dense ``(Tq, Tk)`` mask straight from the docs/api.md condition and runs a plain softmax, so it
 can check the backend. It materialises ``Hq x Tq x Tk`` and is differentiable with
 torch.autograd; pass float64 tensors for a tight comparison. Other packages (magi-dist) may use
 it as their ground truth too.
@@ -52,7 +52,7 @@ def dense_mask(
     *,
     counts: bool = False,
 ) -> torch.Tensor:
-    """Dense mask ``(total_q, total_k)`` of a slice set, from the API.md condition.
+    """Dense mask ``(total_q, total_k)`` of a slice set, from the docs/api.md condition.
 
     With ``counts=True`` it returns int64 coverage counts instead of bools (a value > 1 means
     two slices cover the same cell, which a call must not do).

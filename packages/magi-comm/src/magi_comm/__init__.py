@@ -8,7 +8,7 @@ Quick use (every rank of the group calls collectively)::
     magi_comm.group_reduce(dx, grad, in_splits, out_splits, dst_index, src_indices, group,
                            reduce_op="sum")       # finished work (async_op=False)
 
-Semantics are fixed by the workspace's API.md (magi_comm section). Environment variables:
+Semantics are fixed by docs/api.md (magi_comm section). Environment variables:
 ``MAGI_COMM_BACKEND`` (``a2av`` default, or ``native``: NVSHMEM, one node) and ``MAGI_COMM_DEBUG=1`` (check
 across ranks that the split arguments of every call fit together).
 """

@@ -11,7 +11,7 @@ Layout conventions (the ``a2av`` backend relies on them, a native backend may to
 * send buffer = for each destination rank ``d`` ascending, the input splits that go to ``d``
   in input order (a split sent to several ranks appears once per rank);
 * receive buffer = for each source rank ``s`` ascending, the segments ``s`` sent us, in the
-  order ``s`` sent them, which by the contract of API.md is our output order restricted to
+  order ``s`` sent them, which by the contract of docs/api.md is our output order restricted to
   ``s``.
 
 Everything here is validated strictly (``operator.index`` on every entry) because the lists
@@ -221,7 +221,7 @@ def _prefix(sizes: Sequence[int]) -> list[int]:
 
 def _self_pair_check(op, rank, sent: list[int], received: list[int]) -> None:
     # The rank's own send-to-self and receive-from-self splits are both known locally, so the
-    # one-to-one rule of API.md can be checked for free without any communication.
+    # one-to-one rule of docs/api.md can be checked for free without any communication.
     if sent != received:
         raise ValueError(
             f"{op}: rank {rank} sends itself splits of sizes {sent} but its output splits from "
@@ -273,7 +273,7 @@ def _checked_args(
 
 
 def _by_peer(world_size: int, ranks_per_split: list[list[int]]) -> list[list[int]]:
-    """Split ids per peer, in split order (the pairing order of API.md)."""
+    """Split ids per peer, in split order (the pairing order of docs/api.md)."""
     out: list[list[int]] = [[] for _ in range(world_size)]
     for i, ranks in enumerate(ranks_per_split):
         for r in ranks:

@@ -391,7 +391,7 @@ def group_cast(
         async_op: if True return at once; ``work.wait()`` finishes (and writes ``output``).
         backend: ``"a2av"`` | ``"native"``; None = ``$MAGI_COMM_BACKEND`` or ``"a2av"``.
 
-    Pairing rule (API.md): for each sender ``s`` and receiver ``d``, the splits ``s`` sends to
+    Pairing rule (docs/api.md): for each sender ``s`` and receiver ``d``, the splits ``s`` sends to
     ``d`` in ``s``'s input order fill ``d``'s output splits with source ``s`` in ``d``'s output
     order, one to one, with equal sizes. Every rank of the group must call this collectively.
     ``input`` and ``output`` must not overlap in memory. Not differentiable (no autograd).

@@ -1,6 +1,6 @@
 """Exact integer geometry of mask pieces.
 
-Every slice type of API.md is a *band*: the cells ``(q, k)`` with ``q0 <= q < q1``, ``k0 <= k < k1``
+Every slice type of docs/api.md is a *band*: the cells ``(q, k)`` with ``q0 <= q < q1``, ``k0 <= k < k1``
 and, optionally, ``k - q >= lo`` and/or ``k - q <= hi``. Bands are closed under restriction to a
 row range or a column range, have a closed-form area, touch a contiguous column interval, and
 decompose back into at most three API slices. The planner works on bands so that cutting a mask
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# Mask type codes of API.md (kept here as plain ints so this module has no dependencies).
+# Mask type codes of docs/api.md (kept here as plain ints so this module has no dependencies).
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
 
 _NO_LO = None

@@ -1,4 +1,4 @@
-"""The distributed attention plan (API.md): per-rank calc and comm metadata, plus statistics."""
+"""The distributed attention plan (docs/api.md): per-rank calc and comm metadata, plus statistics."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class CalcMeta(_Frozen):
 
 
 class GroupReduceArgs(_Frozen):
-    """``group_reduce`` arguments (API.md) of one stage: the transpose of :class:`GroupCastArgs`."""
+    """``group_reduce`` arguments (docs/api.md) of one stage: the transpose of :class:`GroupCastArgs`."""
 
     input_split_sizes: list[int]
     output_split_sizes: list[int]
@@ -49,7 +49,7 @@ class GroupReduceArgs(_Frozen):
 
 
 class GroupCastArgs(_Frozen):
-    """``group_cast`` arguments (API.md) of one stage. The input is the rank's local K/V
+    """``group_cast`` arguments (docs/api.md) of one stage. The input is the rank's local K/V
     (``shard_seqlen`` rows, every row in exactly one split); the output is the stage buffer."""
 
     input_split_sizes: list[int]

@@ -362,7 +362,7 @@ def _stage_calc(bands: list[Band], total_seqlen_k: int) -> StageCalc:
 
 
 def _comm_args(geoms: list[_RankGeometry], layout: _Layout, num_stages: int) -> list[list[GroupCastArgs]]:
-    """Group-cast arguments of every rank and stage (see API.md for the pairing rule)."""
+    """Group-cast arguments of every rank and stage (see docs/api.md for the pairing rule)."""
     cp = len(geoms)
     shard = layout.shard
     out: list[list[GroupCastArgs]] = [[] for _ in range(cp)]

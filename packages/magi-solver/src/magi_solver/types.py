@@ -1,4 +1,4 @@
-"""Mask vocabulary of API.md: mask types, half-open ranges, slices and masks."""
+"""Mask vocabulary of docs/api.md: mask types, half-open ranges, slices and masks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ _MAX_DENSE_CELLS = 1 << 24
 
 
 class AttnMaskType(IntEnum):
-    """Slice type; the int value is the code of API.md, ``AttnMaskType("causal")`` parses the string."""
+    """Slice type; the int value is the code of docs/api.md, ``AttnMaskType("causal")`` parses the string."""
 
     FULL = 0
     CAUSAL = 1

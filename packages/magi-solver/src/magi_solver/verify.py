@@ -16,7 +16,7 @@ class PlanError(AssertionError):
 
 
 def simulate_group_cast(args: Sequence[GroupCastArgs], inputs: Sequence[Sequence[T]]) -> list[list[T]]:
-    """Pure-python group_cast with API.md semantics: ``inputs[r]`` is rank r's input rows; returns
+    """Pure-python group_cast with docs/api.md semantics: ``inputs[r]`` is rank r's input rows; returns
     every rank's output rows. Raises :class:`PlanError` when the ranks' arguments do not pair up."""
     cp = len(args)
     sent: dict[tuple[int, int], list[list[T]]] = {}

@@ -5,7 +5,7 @@ Every slice is rewritten as a *band*: it covers cell (q, k) iff
     qs <= q < qe,   ks <= k < ke,   lo <= k - q <= hi
 
 with lo = ks - qs for INVCAUSAL/BICAUSAL (else -BIG) and hi = ke - qe for CAUSAL/BICAUSAL
-(else +BIG). This is exactly the API.md definition (CAUSAL: j <= i + sk - sq, i.e.
+(else +BIG). This is exactly the docs/api.md definition (CAUSAL: j <= i + sk - sq, i.e.
 k - q <= ke - qe; INVCAUSAL: j >= i, i.e. k - q >= ks - qs).
 
 The q axis is cut into fixed tiles of ``tile_m`` rows. A work tile is one q tile; its entries

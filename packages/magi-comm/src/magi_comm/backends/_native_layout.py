@@ -8,7 +8,7 @@ Receive buffer layout (one symmetric buffer per rank, ``capacity`` bytes, the sa
 ------------------------------------------------------------------------------------------------
 The buffer of rank ``d`` holds one *region* per peer ``s != d`` (``W - 1`` regions); the region of
 source ``s`` has index :func:`region_index` ``(s, d) = s - (s > d)``. A transfer only ever needs
-values that both ends know locally (the pairing rule of API.md makes the rows ``s`` sends ``d``,
+values that both ends know locally (the pairing rule of docs/api.md makes the rows ``s`` sends ``d``,
 in ``s``'s input order, equal to the rows ``d`` expects from ``s``, in ``d``'s output order):
 
 * the sender ``s`` writes its ``q``-th row for ``d`` to region row ``q`` of region ``(s, d)``;
