@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/cp_train.py           # any backend torchrun sets up
     python examples/cp_train.py --spawn 4                      # CPU: starts 4 gloo ranks itself
+    python examples/cp_train.py --spawn 4 --result out.json    # also writes rank 0's history
 
 Every rank holds the same model; the packed token axis is dispatched over the cp group, each rank
 runs the model on its chunks (attention through magi_dist.calc_attn, everything else is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import os
 import random
 import tempfile
@@ -192,7 +194,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--degree", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--result", default=None, help="write rank 0's per-step history to this JSON file")
     return ap.parse_args(argv)
+
+
+def _write_result(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f)
 
 
 def main(argv=None) -> dict | None:
@@ -203,13 +212,18 @@ def main(argv=None) -> dict | None:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.pt")
             mp.spawn(_spawned, args=(args.spawn, os.path.join(tmp, "store"), args, out), nprocs=args.spawn)
-            return torch.load(out)
+            result = torch.load(out)
+        _write_result(result, args.result)
+        return result
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        return run(dist.get_rank(), dist.get_world_size(), args)
+        result = run(dist.get_rank(), dist.get_world_size(), args)
+        if dist.get_rank() == 0:
+            _write_result(result, args.result)
+        return result
     finally:
         dist.destroy_process_group()
 

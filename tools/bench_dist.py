@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
+# tools/allgather_cp.py: a script's own folder is first on sys.path (python and torchrun alike)
+from allgather_cp import AllGatherCP
+
 import magi_dist as md
 from ffa_kernels import ffa_forward_stage, flex_flash_attn_func
 from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig, make_plan, masks
-
-sys.path.insert(0, os.path.dirname(__file__))
-from allgather_cp import AllGatherCP
-from bench_solver import cu_seqlens, long_tailed_lengths
+from magi_solver.testing import cu_seqlens, long_tailed_lengths
 
 
 def timeit(fn, iters: int, group) -> float:

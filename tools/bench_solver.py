@@ -8,36 +8,12 @@ Not a timed test: prints a table (paste into docs/perf.md).
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 import tracemalloc
 
 from magi_solver import DispatchAlg, DispatchConfig, DistAttnConfig, OverlapConfig, make_plan, masks
-
-
-def long_tailed_lengths(total: int, num_docs: int, seed: int = 0) -> list[int]:
-    """``num_docs`` lengths summing to ``total``, log-normal (long tail), each at most ``total // 4``."""
-    rng = random.Random(seed)
-    raw = [rng.lognormvariate(0.0, 1.6) for _ in range(num_docs)]
-    cap = total // 4
-    scale = total / sum(raw)
-    lens = [max(1, min(cap, int(x * scale))) for x in raw]
-    i = 0
-    while sum(lens) != total:  # spread the rounding error over documents that have room
-        d = total - sum(lens)
-        j = i % num_docs
-        step = max(-lens[j] + 1, min(cap - lens[j], d))
-        lens[j] += step
-        i += 1
-    return lens
-
-
-def cu_seqlens(lens: list[int]) -> list[int]:
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
+from magi_solver.testing import cu_seqlens, long_tailed_lengths
 
 
 def bench_masks(seqlen: int, docs: int) -> dict:

@@ -198,12 +198,9 @@ def test_bad_input_names_the_argument():
 
 def test_bench_scale_plan_is_fast_and_small():
     """1M tokens, 1500 docs, cp 64: the plan's cost depends on slices and chunks, not seqlen^2."""
-    import sys
     import time
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-    from bench_solver import cu_seqlens, long_tailed_lengths
+    from magi_solver.testing import cu_seqlens, long_tailed_lengths
 
     lens = long_tailed_lengths(1 << 20, 1500)
     assert len(lens) == 1500 and sum(lens) == 1 << 20 and max(lens) <= (1 << 20) // 4

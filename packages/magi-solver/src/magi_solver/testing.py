@@ -1,4 +1,4 @@
-"""Random masks for tests and experiments (pure python; seed a ``random.Random``)."""
+"""Masks and document lengths for tests, benchmarks and experiments (pure python, seeded)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,28 @@ def random_mask(
         k.append((ks, ke))
         t.append(typ)
     return AttnMask(q, k, t, seqlen_q, seqlen_k)
+
+
+def long_tailed_lengths(total: int, num_docs: int, seed: int = 0) -> list[int]:
+    """``num_docs`` lengths summing to ``total``, log-normal (long tail), each at most ``total // 4``."""
+    rng = random.Random(seed)
+    raw = [rng.lognormvariate(0.0, 1.6) for _ in range(num_docs)]
+    cap = total // 4
+    scale = total / sum(raw)
+    lens = [max(1, min(cap, int(x * scale))) for x in raw]
+    i = 0
+    while sum(lens) != total:  # spread the rounding error over documents that have room
+        d = total - sum(lens)
+        j = i % num_docs
+        step = max(-lens[j] + 1, min(cap - lens[j], d))
+        lens[j] += step
+        i += 1
+    return lens
+
+
+def cu_seqlens(lens: list[int]) -> list[int]:
+    """Cumulative lengths ``[0, l0, l0 + l1, ...]``."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
