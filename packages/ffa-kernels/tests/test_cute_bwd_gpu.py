@@ -103,13 +103,63 @@ def forward_out_lse(q, k, v, q_ranges, k_ranges, types, scale, softcap=0.0):
     return out.to(q.dtype), lse.float().contiguous()
 
 
-def _check(name, got, ref, lowp):
+# half an ulp of a gradient returned in the input dtype, relative to its magnitude
+_ROUNDING = {torch.bfloat16: 2.0**-9, torch.float16: 2.0**-12}
+
+
+def _check(name, got, ref, lowp, rounded_to=None):
+    """``rounded_to``: the dtype ``got`` was returned in (its rounding is added to the bound)."""
     assert not torch.isnan(got).any(), f"NaN in {name}"
     err = (got - ref).abs().max().item() if ref.numel() else 0.0
     scale = max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
     tol = 2 * ((lowp - ref).abs().max().item() if ref.numel() else 0.0) + 1e-3 * scale
+    if rounded_to is not None:
+        tol += _ROUNDING[rounded_to] * scale
     assert err <= tol, f"{name} err {err:.3e} > tol {tol:.3e}"
     return err, tol
+
+
+def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed):
+    """Random q, k, v, dout, the final out / lse, the dense mask and the range tensors."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    mask = dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda")
+    out, lse = forward_out_lse(q, k, v, q_ranges, k_ranges, types, d**-0.5, softcap)
+    ranges = (
+        torch.tensor(q_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
+        torch.tensor(k_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
+        torch.tensor(types, dtype=torch.int32, device="cuda"),
+    )
+    return g, q, k, v, dout, out, lse, mask, ranges
+
+
+def run_bwd_whole_case(
+    q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
+    heads_per_cta=None,
+):  # fmt: skip
+    """`cute_backward` (gradients in the input dtype; dK/dV stored by the kernel when one CTA
+    walks the whole GQA group) against the oracle; rows / keys nothing covers are exactly 0."""
+    from ffa_kernels.cute import cute_backward
+
+    _, q, k, v, dout, out, lse, mask, ranges = _inputs(
+        q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed
+    )
+    scale = d**-0.5
+    poison_allocator(8 * max(tq, tk) * hq * d * 4)
+    grads = cute_backward(q, k, v, dout, out, lse, *ranges, softmax_scale=scale, softcap=softcap,
+                          heads_per_cta=heads_per_cta)  # fmt: skip
+    torch.cuda.synchronize()
+    ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
+    lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
+    for name, got, r, lp in zip(("dq", "dk", "dv"), grads, ref, lowp):
+        assert got.dtype == dtype and got.shape == r.shape, (name, got.dtype, got.shape)
+        _check(name, got.double(), r, lp, rounded_to=dtype)
+    q_cov, k_cov = mask.any(dim=1), mask.any(dim=0)
+    assert not grads[0][~q_cov].any(), "dq rows nothing covers are not 0"
+    assert not grads[1][~k_cov].any() and not grads[2][~k_cov].any(), "dk/dv keys nothing covers are not 0"
 
 
 def run_bwd_case(
@@ -118,14 +168,10 @@ def run_bwd_case(
 ):  # fmt: skip
     from ffa_kernels.cute import cute_backward_stage
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
+    g, q, k, v, dout, out, lse, mask, ranges = _inputs(
+        q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed
+    )
     scale = d**-0.5
-    mask = dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda")
-    out, lse = forward_out_lse(q, k, v, q_ranges, k_ranges, types, scale, softcap)
     dq0 = torch.randn(tq, hq, d, device="cuda", generator=g)
     dk0 = torch.randn(tk, hk, d, device="cuda", generator=g)
     dv0 = torch.randn(tk, hk, d, device="cuda", generator=g)
@@ -146,13 +192,7 @@ def run_bwd_case(
         assert dk.data_ptr() % 8 == 4 and dq.data_ptr() % 16 != 0
     else:
         dk, dv = dk0.clone(), dv0.clone()
-    cute_backward_stage(
-        q, k, v, dout, out, lse,
-        torch.tensor(q_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
-        torch.tensor(k_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
-        torch.tensor(types, dtype=torch.int32, device="cuda"),
-        dq, dk, dv, softmax_scale=scale, softcap=softcap,
-    )  # fmt: skip
+    cute_backward_stage(q, k, v, dout, out, lse, *ranges, dq, dk, dv, softmax_scale=scale, softcap=softcap)
     torch.cuda.synchronize()
     ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
     lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
@@ -236,6 +276,53 @@ def test_bwd_sliding_window_block_causal_and_segment_ids(dtype, d):
     ids = [1] * 300 + [2] * 250 + [1] * 200 + [3] * 77 + [2] * 100
     qr, kr, ty = segment_id_slices(ids)
     run_bwd_case(qr, kr, ty, len(ids), len(ids), d=d, dtype=dtype, hq=8, hk=2)
+
+
+@requires_sm90
+@pytest.mark.parametrize(
+    "hq,hk,heads_per_cta", [(4, 4, None), (8, 2, None), (8, 2, 2), (8, 2, 1), (16, 1, 4)]
+)
+def test_bwd_whole_call(hq, hk, heads_per_cta):
+    """One whole backward in the input dtype: dK/dV stored by the kernel (one CTA per K/V head
+    walking its whole group) or summed in float32 (the group split over CTAs)."""
+    qr, kr, ty, t = varlen_slices([1, 300, 129, 513], 1)
+    run_bwd_whole_case(qr, kr, ty, t, t, hq=hq, hk=hk, heads_per_cta=heads_per_cta)
+    # key tiles nothing covers (keys 600..1100 of 1100): zeros, not left uninitialised
+    run_bwd_whole_case([[0, 500]], [[0, 600]], [1], 500, 1100, hq=hq, hk=hk, heads_per_cta=heads_per_cta)
+
+
+@requires_sm90
+@pytest.mark.parametrize("seed", range(4))
+def test_bwd_whole_call_random(seed):
+    rng = random.Random(100 + seed)
+    tq, tk = rng.randrange(1, 1500), rng.randrange(1, 1500)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    run_bwd_whole_case(qr, kr, ty, tq, tk, hq=4, hk=2, d=rng.choice([64, 128]),
+                       dtype=rng.choice([torch.bfloat16, torch.float16]), seed=seed,
+                       softcap=rng.choice([0.0, 10.0]))  # fmt: skip
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_preprocess_kernel(out_dtype, d):
+    """lse2 and delta from the preprocess kernel equal torch's float32 math; uncovered rows
+    (lse = -inf) get +inf, the padding +inf / 0."""
+    from ffa_kernels.cute.bwd_launch import bwd_preprocess
+
+    tq, hq = 1037, 6
+    dout = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.randn(tq, hq, d, device="cuda", dtype=out_dtype)
+    lse = torch.randn(tq, hq, device="cuda") * 5
+    lse[::7, 1] = float("-inf")
+    stats = bwd_preprocess(dout, out, lse, 64)
+    torch.cuda.synchronize()
+    delta = (dout.float() * out.float()).sum(-1).t()
+    lse2 = torch.where(lse.t() == float("-inf"), float("inf"), lse.t() * 1.4426950408889634)
+    assert torch.allclose(stats[1, :, :tq], delta, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(stats[0, :, :tq], lse2, rtol=1e-6, atol=0)
+    assert torch.equal(stats[0, :, :tq].isinf(), lse2.isinf())
+    assert bool((stats[0, :, tq:] == float("inf")).all()) and not stats[1, :, tq:].any()
 
 
 @requires_sm90

@@ -241,22 +241,24 @@ def test_bwd_plan_causal_counts():
     assert int((ent[:, 1] - (ent[:, 9] - ent[:, 8])).sum()) == 2 * 8
 
 
-BWD_VARIANTS = list(itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True)))
+# (head dim, dtype, softcap, dk/dv stored in the input dtype rather than added in float32)
+BWD_VARIANTS = list(
+    itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True))
+)
 
 
 def test_compile_every_bwd_variant(tmp_path, monkeypatch):
-    """Every backward variant (head dim, dtype, softcap) compiles for sm_90a with no GPU, and the
-    packed launcher feeds it what the DSL's marshalling would."""
+    """Every backward variant (head dim, dtype, softcap, dk/dv stored or added) compiles for
+    sm_90a with no GPU, and the packed launcher feeds it what the DSL's marshalling would."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
     from ffa_kernels.cute import bwd_launch, compile_cache, launcher
     from ffa_kernels.cute.config import default_bwd_config
 
-    spec = bwd_launch.bwd_arg_spec()
-    for d, dt, softcap in BWD_VARIANTS:
-        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d), softcap))
-        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d), softcap)
-        assert launcher.packed_matches_dsl(fn, spec, compile_cache.dtype_of(dt))
+    for d, dt, softcap, store in BWD_VARIANTS:
+        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d), softcap, store))
+        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d), softcap, store)
+        assert launcher.packed_matches_dsl(fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(dt))
     assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS)
 
 
@@ -286,3 +288,20 @@ def test_source_hash_covers_every_kernel_module():
     finally:
         pathlib.Path.read_bytes = orig
         compile_cache.source_hash.cache_clear()
+
+
+def test_compile_bwd_preprocess_variants(tmp_path, monkeypatch):
+    """The backward's preprocess kernel compiles for every (dout, out) dtype pair it serves,
+    with the packed launcher."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import bwd_launch, launcher
+
+    pairs = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+             (torch.float32, torch.float32)]  # fmt: skip
+    bwd_launch._PREPROCESS.clear()
+    for do_dtype, out_dtype in pairs:
+        for d in (64, 128):
+            fn = bwd_launch._preprocess_launcher(do_dtype, out_dtype, d)
+            assert isinstance(fn, launcher.PackedLauncher), (do_dtype, out_dtype, d)
+    assert len(list(tmp_path.rglob("ffa_bwd_pre_*.o"))) == 2 * len(pairs)

@@ -1,59 +1,60 @@
 """Host launch code of the sm90 backward: preprocess (delta, lse in the log2 domain), the
-backward plan, argument packing and ``cute_backward_stage``."""
+backward plan, argument packing, ``cute_backward_stage`` (adds into float32 accumulators) and
+``cute_backward`` (one whole backward, gradients in the input dtype)."""
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
 from .._identity_cache import IdentityCache
-from .compile_cache import arch, compiled_kernel, dtype_of, placeholder_args
+from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import HEAD_GROUP_SHIFT, BwdConfig, default_bwd_config
 from .launch import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
 from .launcher import make_launcher
 from .plan import get_plan
 
-_LOG2_E = math.log2(math.e)
 
-
-def bwd_arg_spec() -> list[tuple[str, str, int]]:
+def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
     """(kind, element, alignment) of the backward kernel's arguments (launcher.arg_spec's format).
 
     Order: pointers q, k, v, dout ("in"), lse2, delta, dq_acc (f32; dq_acc is a TMA target,
-    16-byte aligned), dk_acc, dv_acc (f32, only 8-byte aligned: added to two elements at a time),
-    work, entries (i32); int32 total_q, total_k, heads_q, heads_k, num_work, num_entries,
-    kv_row_stride, dkv_row_stride, stat_stride; float32 scale_log2, score_premul, softmax_scale;
-    int32 flags; the stream.
+    16-byte aligned), dk, dv (``dkv_store``: "in", 4-byte aligned, stored two elements at a
+    time; else f32 accumulators, 8-byte aligned, added to two at a time), work, entries (i32);
+    int32 total_q, total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride,
+    dkv_row_stride, stat_stride, heads_per_cta; float32 scale_log2, score_premul,
+    softmax_scale; int32 flags; the stream.
     """
-    ptrs = (
-        [("ptr", "in", 16)] * 4
-        + [("ptr", "f32", 16)] * 3
-        + [("ptr", "f32", 8)] * 2
-        + [("ptr", "i32", 16)] * 2
-    )
-    return ptrs + [("i32", "", 0)] * 9 + [("f32", "", 0)] * 3 + [("i32", "", 0), ("stream", "", 0)]
+    dkv = ("ptr", "in", 4) if dkv_store else ("ptr", "f32", 8)
+    ptrs = [("ptr", "in", 16)] * 4 + [("ptr", "f32", 16)] * 3 + [dkv] * 2 + [("ptr", "i32", 16)] * 2
+    return ptrs + [("i32", "", 0)] * 10 + [("f32", "", 0)] * 3 + [("i32", "", 0), ("stream", "", 0)]
 
 
-def bwd_compile_key(torch_dtype, cfg: BwdConfig, has_softcap: bool) -> tuple:
+def bwd_compile_key(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool) -> tuple:
     """Everything a compiled backward depends on; no per-call shape or range content."""
-    return ("ffa_bwd_sm90", str(torch_dtype), cfg.key(), bool(has_softcap), repr(bwd_arg_spec()), arch())
+    spec = repr(bwd_arg_spec(dkv_store))
+    return ("ffa_bwd_sm90", str(torch_dtype), cfg.key(), bool(has_softcap), bool(dkv_store), spec, arch())
 
 
-def get_bwd_kernel(torch_dtype, cfg: BwdConfig, has_softcap: bool, *, use_disk_cache: bool = True):
-    """Compiled backward for (dtype, cfg, softcap): memory cache, then disk cache, then compile."""
+def get_bwd_kernel(
+    torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool = False, *, use_disk_cache: bool = True
+):
+    """Compiled backward for (dtype, cfg, softcap, dk/dv stored or added): memory cache, then
+    disk cache, then compile."""
 
     def build():
         from .bwd_sm90 import FFABackwardSm90
 
-        return FFABackwardSm90(dtype_of(torch_dtype), cfg, has_softcap)
+        return FFABackwardSm90(dtype_of(torch_dtype), cfg, has_softcap, dkv_store)
 
     return compiled_kernel(
-        bwd_compile_key(torch_dtype, cfg, has_softcap),
+        bwd_compile_key(torch_dtype, cfg, has_softcap, dkv_store),
         "ffa_bwd_",
         build,
-        lambda: placeholder_args(bwd_arg_spec(), dtype_of(torch_dtype)),
-        f"sm90 backward (dtype={torch_dtype}, hdim={cfg.head_dim}, softcap={has_softcap})",
+        lambda: placeholder_args(bwd_arg_spec(dkv_store), dtype_of(torch_dtype)),
+        f"sm90 backward (dtype={torch_dtype}, hdim={cfg.head_dim}, softcap={has_softcap}, "
+        f"dk/dv {'stored' if dkv_store else 'added'})",
         use_disk_cache=use_disk_cache,
     )
 
@@ -61,19 +62,46 @@ def get_bwd_kernel(torch_dtype, cfg: BwdConfig, has_softcap: bool, *, use_disk_c
 _LAUNCHERS: dict[tuple, object] = {}
 
 
-def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool):
-    key = (torch_dtype, cfg, has_softcap)
+def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool):
+    key = (torch_dtype, cfg, has_softcap, dkv_store)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        kernel = get_bwd_kernel(torch_dtype, cfg, has_softcap)
-        fn = _LAUNCHERS[key] = make_launcher(kernel, bwd_arg_spec(), dtype_of(torch_dtype))
+        kernel = get_bwd_kernel(torch_dtype, cfg, has_softcap, dkv_store)
+        fn = _LAUNCHERS[key] = make_launcher(kernel, bwd_arg_spec(dkv_store), dtype_of(torch_dtype))
     return fn
 
 
-def bwd_head_group_size(total_q: int, hq: int, d: int, override: int | None = None) -> int:
-    """The backward's head group: q heads whose Q, dO (16-bit) and dq rows (float32) stay in L2
-    while the key tiles of the group re-read them."""
-    return l2_head_group(total_q * d * 8, 1, hq, override)
+_CTAS_PER_SM = 32
+
+
+def bwd_heads_per_cta(num_work: int, hq: int, hk: int, num_sms: int, override: int | None = None) -> int:
+    """How many q heads of a K/V head one CTA walks: the largest divisor of the GQA group that
+    still gives ``_CTAS_PER_SM`` CTAs per SM (1 at worst). The whole group sums dK/dV in
+    registers (one writer per K/V row, stored in the input dtype), but its CTAs are long and few:
+    on an H100, GQA 64:8 varlen causal 32k runs fastest with 2 heads per CTA (459 TFLOP/s against
+    418 with all 8 and 437 with 1)."""
+    group = hq // hk
+    if override is not None:
+        if override < 1 or group % override:
+            raise ValueError(f"heads_per_cta must divide Hq / Hk = {group}, got {override}")
+        return override
+    for d in sorted((d for d in range(1, group + 1) if group % d == 0), reverse=True):
+        if num_work * hk * (group // d) >= _CTAS_PER_SM * num_sms:
+            return d
+    return 1
+
+
+def bwd_head_group_size(
+    total_q: int, hq: int, d: int, heads_per_cta: int, override: int | None = None
+) -> int:
+    """The backward's head group (in CTA head slots of ``heads_per_cta`` q heads): slots whose Q,
+    dO (16-bit) and dq rows (float32) stay in L2 while the key tiles of the group re-read them."""
+    return l2_head_group(total_q * d * 8 * heads_per_cta, 1, hq // heads_per_cta, override)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def stat_stride(total_q: int, tile_m: int) -> int:
@@ -86,26 +114,74 @@ def stat_stride(total_q: int, tile_m: int) -> int:
 # next backward replaces it).
 _STATS_CACHE = IdentityCache(maxsize=1)
 
+# (kind, element, alignment): dout, out, lse, stats pointers; total_q, heads, stat_stride; stream
+_PRE_SPEC_16 = [("ptr", "in", 16), ("ptr", "in", 16), ("ptr", "f32", 4), ("ptr", "f32", 16)]
+_PRE_SCALARS = [("i32", "", 0)] * 3 + [("stream", "", 0)]
+
+
+def preprocess_arg_spec(out_is_f32: bool) -> list[tuple[str, str, int]]:
+    """The preprocess kernel's arguments; ``out_is_f32``: out is float32 while dout is not."""
+    ptrs = list(_PRE_SPEC_16)
+    if out_is_f32:
+        ptrs[1] = ("ptr", "f32", 16)
+    return ptrs + _PRE_SCALARS
+
+
+_PREPROCESS: dict[tuple, object] = {}
+
+
+def _preprocess_launcher(do_dtype: torch.dtype, out_dtype: torch.dtype, d: int):
+    key = (do_dtype, out_dtype, d)
+    fn = _PREPROCESS.get(key)
+    if fn is None:
+        cutlass, _ = cutlass_modules()
+        elems = {
+            torch.bfloat16: cutlass.BFloat16,
+            torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32,
+        }
+        spec = preprocess_arg_spec(out_dtype == torch.float32 and do_dtype != torch.float32)
+
+        def build():
+            from .bwd_preprocess import BwdPreprocess
+
+            return BwdPreprocess(elems[do_dtype], elems[out_dtype], d)
+
+        kernel = compiled_kernel(
+            ("ffa_bwd_pre", str(do_dtype), str(out_dtype), d, repr(spec), arch()),
+            "ffa_bwd_pre_",
+            build,
+            lambda: placeholder_args(spec, elems[do_dtype]),
+            f"backward preprocess (dout={do_dtype}, out={out_dtype}, hdim={d})",
+        )
+        fn = _PREPROCESS[key] = make_launcher(kernel, spec, elems[do_dtype])
+    return fn
+
 
 def bwd_preprocess(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int) -> torch.Tensor:
     """float32 ``(2, Hq, stat_stride)``: ``[0]`` lse2 = lse * log2(e) (+inf where lse = -inf, and
-    in the padding past Tq), ``[1]`` delta = rowsum(dout * out) (0 in the padding).
+    in the padding past Tq), ``[1]`` delta = rowsum(dout * out) in float32 (0 in the padding).
 
-    dout, out: ``(Tq, Hq, D)``; lse: ``(Tq, Hq)``, the final ones. Cached on the identity of the
-    three tensors, so the stages of one backward compute it once."""
+    dout: ``(Tq, Hq, D)`` (q's dtype), out ``(Tq, Hq, D)``, lse ``(Tq, Hq)``: the final ones.
+    One kernel (`bwd_preprocess.BwdPreprocess`); cached on the identity of the three tensors, so
+    the stages of one backward compute it once."""
     extra = (tile_m,)
     hit = _STATS_CACHE.get((dout, out, lse), extra)
     if hit is not None:
         return hit
-    tq, hq, _ = dout.shape
+    tq, hq, d = dout.shape
     stats = torch.empty(2, hq, stat_stride(tq, tile_m), dtype=torch.float32, device=dout.device)
-    stats[0, :, tq:] = float("inf")
-    stats[1, :, tq:] = 0.0
-    lse32 = lse.to(torch.float32)
-    torch.mul(lse32.t(), _LOG2_E, out=stats[0, :, :tq])
-    stats[0, :, :tq].masked_fill_(lse32.t() == float("-inf"), float("inf"))
-    delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(dim=-1)  # (Tq, Hq)
-    stats[1, :, :tq].copy_(delta.t())
+    if out.dtype not in (dout.dtype, torch.float32):
+        out = out.to(torch.float32)
+    do_c = _aligned16(dout.contiguous())
+    out_c = _aligned16(out.contiguous())
+    lse_c = lse.to(torch.float32).contiguous()
+    _preprocess_launcher(dout.dtype, out_c.dtype, d)(
+        (
+            do_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr(), stats.data_ptr(), tq, hq, stats.shape[-1],
+            torch.cuda.current_stream(dout.device).cuda_stream,
+        )
+    )  # fmt: skip
     _STATS_CACHE.put((dout, out, lse), extra, stats)
     return stats
 
@@ -119,6 +195,47 @@ def _dense_f32(t: torch.Tensor) -> bool:
         and t.stride(0) % 2 == 0
         and t.data_ptr() % 8 == 0
     )
+
+
+def _pointers_16bit_pairs(t: torch.Tensor) -> bool:
+    """Rows of (H, D) 16-bit elements the kernel can store two at a time: dense, 4-byte aligned."""
+    return (
+        t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+    )
+
+
+def _launch(
+    q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, dkv_row_stride, dkv_store, heads_per_cta,
+    softmax_scale, softcap, head_group,
+) -> None:  # fmt: skip
+    """Preprocess (cached per backward) and one kernel launch; q/k/v/dout as the caller gave them."""
+    total_q, hq, d = q.shape
+    total_k, hk, _ = k.shape
+    q = _aligned16(q.contiguous())
+    do = _aligned16(dout.to(q.dtype).contiguous())
+    stats = bwd_preprocess(do, out, lse, cfg.tile_m)
+    k, v, kv_row_stride = _kv_rows(k, v)
+    scale_log2, premul = score_constants(softmax_scale, softcap)
+    flags = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group) << HEAD_GROUP_SHIFT
+    fn = _launcher(q.dtype, cfg, softcap > 0.0, dkv_store)
+    fn(
+        (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats[0].data_ptr(), stats[1].data_ptr(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
+            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
+            stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale, flags,
+            torch.cuda.current_stream(q.device).cuda_stream,
+        )
+    )  # fmt: skip
+
+
+def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta):
+    total_k, hk, _ = k.shape
+    plan = get_plan(
+        q_ranges, k_ranges, attn_type_map, total_k, cfg.tile_n, cfg.tile_m, q.device, backward=True
+    )
+    split = bwd_heads_per_cta(plan.num_work, q.shape[1], hk, _num_sms(q.device.index or 0), heads_per_cta)
+    return plan, split
 
 
 def cute_backward_stage(
@@ -139,6 +256,7 @@ def cute_backward_stage(
     softcap: float,
     config: BwdConfig | None = None,
     head_group: int | None = None,
+    heads_per_cta: int | None = None,
 ) -> None:
     """sm90 CuTe DSL backward of one stage, added into float32 accumulators in place.
 
@@ -147,8 +265,9 @@ def cute_backward_stage(
     (any float dtype); q_ranges / k_ranges int32 (N, 2), attn_type_map int32 (N,) or None, as in
     ``cute_forward``; dq_acc (Tq, Hq, D), dk_acc / dv_acc (Tk, Hk, D) float32, added to (views
     such as ``dkv[:, 0]`` / ``dkv[:, 1]`` of a packed (Tk, 2, Hk, D) buffer are updated in place;
-    other layouts go through a contiguous temporary). Raises NotImplementedError for what the
-    kernel does not serve (head dim, dtype, float64 accumulators): the caller falls back.
+    other layouts go through a contiguous temporary). ``heads_per_cta``: q heads one CTA walks
+    (default `bwd_heads_per_cta`). Raises NotImplementedError for what the kernel does not
+    serve (head dim, dtype, float64 accumulators): the caller falls back.
     """
     softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
     d = q.shape[-1]
@@ -156,18 +275,14 @@ def cute_backward_stage(
         if t.dtype != torch.float32:
             raise NotImplementedError(f"{name}: the sm90 backward adds into float32, got {t.dtype}")
     cfg = config or default_bwd_config(d)
-    total_q, hq, _ = q.shape
+    total_q = q.shape[0]
     total_k, hk, _ = k.shape
     if total_q == 0 or total_k == 0:
         return
     dev = q.device
-    plan = get_plan(q_ranges, k_ranges, attn_type_map, total_k, cfg.tile_n, cfg.tile_m, dev, backward=True)
+    plan, split = _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta)
     if plan.num_work == 0:
         return
-    stats = bwd_preprocess(dout, out, lse, cfg.tile_m)
-    q = _aligned16(q.contiguous())
-    do = _aligned16(dout.to(q.dtype).contiguous())
-    k, v, kv_row_stride = _kv_rows(k, v)
     in_place = dq_acc.is_contiguous() and dq_acc.data_ptr() % 16 == 0  # a TMA reduce target
     dq = dq_acc if in_place else torch.zeros(dq_acc.shape, dtype=torch.float32, device=dev)
     dkv_in_place = _dense_f32(dk_acc) and _dense_f32(dv_acc) and dk_acc.stride(0) == dv_acc.stride(0)
@@ -177,20 +292,69 @@ def cute_backward_stage(
         dk = torch.zeros(dk_acc.shape, dtype=torch.float32, device=dev)
         dv = torch.zeros(dv_acc.shape, dtype=torch.float32, device=dev)
         dkv_row_stride = hk * d
-    scale_log2, premul = score_constants(softmax_scale, softcap)
-    flags = bwd_head_group_size(total_q, hq, d, head_group) << HEAD_GROUP_SHIFT
-    fn = _launcher(q.dtype, cfg, softcap > 0.0)
-    fn(
-        (
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats[0].data_ptr(), stats[1].data_ptr(),
-            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
-            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
-            stats.shape[-1], scale_log2, premul, softmax_scale, flags,
-            torch.cuda.current_stream(dev).cuda_stream,
-        )
-    )  # fmt: skip
+    _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, dkv_row_stride, False, split,
+            softmax_scale, softcap, head_group)  # fmt: skip
     if dq is not dq_acc:
         dq_acc.add_(dq)
     if not dkv_in_place:
         dk_acc.add_(dk)
         dv_acc.add_(dv)
+
+
+def cute_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    *,
+    softmax_scale: float | None,
+    softcap: float,
+    config: BwdConfig | None = None,
+    head_group: int | None = None,
+    heads_per_cta: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole backward of one attention call: ``(dq, dk, dv)`` in q's dtype, q's / k's shapes.
+
+    Arguments as for `cute_backward_stage` (out / lse: the call's output and log-sum-exp).
+    When one CTA walks a whole GQA group (always for MHA; see `bwd_heads_per_cta` for GQA),
+    dK / dV are stored in the input dtype straight from the kernel: no float32 buffer, no
+    atomics, no cast; key tiles nothing covers are zeros. dq goes through a float32 accumulator
+    (several key tiles add to a q row) and one cast.
+    """
+    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
+    total_q, hq, d = q.shape
+    total_k, hk, _ = k.shape
+    cfg = config or default_bwd_config(d)
+    dev = q.device
+    plan, split = (
+        (None, 1)
+        if total_q == 0 or total_k == 0
+        else _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta)
+    )
+    if plan is None or plan.num_work == 0:
+        return (
+            torch.zeros_like(q),
+            torch.zeros(k.shape, dtype=q.dtype, device=dev),
+            torch.zeros(v.shape, dtype=q.dtype, device=dev),
+        )
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
+    if split == hq // hk:
+        # every K/V row has one writer: stored in q's dtype; tiles without work are never written
+        alloc = torch.empty if plan.num_work == -(-total_k // cfg.tile_n) else torch.zeros
+        dk = alloc(k.shape, dtype=q.dtype, device=dev)
+        dv = alloc(v.shape, dtype=q.dtype, device=dev)
+        assert _pointers_16bit_pairs(dk) and _pointers_16bit_pairs(dv)
+        _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, hk * d, True, split,
+                softmax_scale, softcap, head_group)  # fmt: skip
+    else:
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
+        _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, hk * d, False, split,
+                softmax_scale, softcap, head_group)  # fmt: skip
+        dk, dv = dk.to(q.dtype), dv.to(q.dtype)
+    return dq.to(q.dtype), dk, dv

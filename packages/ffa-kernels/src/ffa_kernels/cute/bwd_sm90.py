@@ -10,17 +10,26 @@ Key-tile major: one CTA per (key tile of the backward plan, q head). The CTA loa
                                                       already the A operand's layout)
     dQ  = dS K                                       (SS wgmma from dS^T written to shared memory)
 
-dV and dK stay in registers for the whole CTA and are added to the float32 dk/dv accumulators
-at the end (``red.global.add.v2.f32``); dQ of every block goes, times softmax_scale, through a
+A CTA walks the q heads ``head0 .. head0 + heads_per_cta`` of one K/V head in turn (all of a
+GQA group's heads, or a part of them when there would be too few CTAs). dV and dK stay in
+registers for the whole CTA; at the end they are either stored in the input dtype (``dkv_store``:
+the CTA is their only writer) or added to float32 dk/dv accumulators (``red.global.add.v2.f32``); dQ of every block goes, times softmax_scale, through a
 float32 shared-memory tile and a TMA reduce-add into the float32 dq accumulator (other CTAs add
 to the same rows). Nothing of size Tq x Tk exists.
 
 Warp specialisation (384 threads):
   warpgroup 0, warp 0  TMA producer: K and V once, then Q and dO of every block through
                        ``num_stages``-deep pipelines;
+  warpgroup 0, warp 1  dQ writer: per block and consumer warpgroup, waits until the warpgroup
+                       has written its float32 dQ tile (named barrier DQFull), issues the TMA
+                       reduce-add and, once the copy has read the tile, frees it (DQEmpty), so
+                       the consumers never wait on the copy;
   warpgroups 1, 2      consumers: 64 keys each for S^T, dP^T, dV, dK; for dQ each computes
-                       half of the head dim over all 128 keys (named barrier PdS around the
-                       shared dS tile).
+                       half of the head dim over all 128 keys. The shared dS tile is
+                       double-buffered (by block parity), so one named barrier per block (PdS,
+                       "both halves of dS written") suffices: a warpgroup can only overwrite a
+                       buffer after the other passed the next block's barrier, i.e. finished
+                       reading it.
 
 ``lse2`` (lse * log2(e), +inf for rows nothing covers, so P = 0 there) and ``delta``
 (rowsum(dO * O)) come from the host-side preprocess as float32 (Hq, stat_stride) tensors padded
@@ -37,7 +46,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
-from .atomics import red_add_f32x2
+from .atomics import red_add_f32x2, store_pair_16bit
 from .config import BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -47,12 +56,13 @@ from .schedule import cta_work_and_head
 
 
 class FFABackwardSm90:
-    """One compiled kernel per (dtype, BwdConfig, softcap on/off)."""
+    """One compiled kernel per (dtype, BwdConfig, softcap on/off, dk/dv stored or added)."""
 
-    def __init__(self, dtype, cfg: BwdConfig, has_softcap: bool):
+    def __init__(self, dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool):
         self.dtype = dtype
         self.cfg = cfg
         self.has_softcap = has_softcap
+        self.dkv_store = dkv_store
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
 
     # ------------------------------------------------------------------ host side (traced)
@@ -66,8 +76,9 @@ class FFABackwardSm90:
         ptr_lse2: cute.Pointer,  # (Hq, stat_stride) f32
         ptr_delta: cute.Pointer,  # (Hq, stat_stride) f32
         ptr_dq: cute.Pointer,  # (Tq, Hq, D) f32 contiguous, added to
-        ptr_dk: cute.Pointer,  # (Tk, Hk, D) f32, rows dkv_row_stride apart, added to
-        ptr_dv: cute.Pointer,  # (Tk, Hk, D) f32, the same strides as dk, added to
+        ptr_dk: cute.Pointer,  # (Tk, Hk, D), rows dkv_row_stride apart: q's dtype, stored
+        #                        (dkv_store), or f32, added to
+        ptr_dv: cute.Pointer,  # (Tk, Hk, D), the same strides and dtype as dk
         ptr_work: cute.Pointer,  # (W, 4) i32
         ptr_ent: cute.Pointer,  # (E, ENTRY_COLS) i32
         total_q: Int32,
@@ -79,6 +90,7 @@ class FFABackwardSm90:
         kv_row_stride: Int32,
         dkv_row_stride: Int32,
         stat_stride: Int32,
+        heads_per_cta: Int32,  # q heads one CTA walks (a divisor of Hq / Hk)
         scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
         softmax_scale: Float32,
@@ -124,7 +136,7 @@ class FFABackwardSm90:
         # K is read MN-major by the dQ GEMM in head-dim slices of D / num_mma_wg columns
         sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=D // cfg.num_mma_wg)
         sV_layout = smem_layout(self.dtype, self.tile_n, D, None)
-        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, None)
+        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
         # dQ in float32: (tile_m, D), each warpgroup's D / num_mma_wg columns one contiguous tile
         # (atoms down the rows first) that one TMA reduce-add adds to dq_acc
         dq_cols = D // cfg.num_mma_wg
@@ -161,10 +173,10 @@ class FFABackwardSm90:
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
             mLSE2, mDelta, mdK, mdV, mWork, mEnt,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            scale_log2, score_premul, softmax_scale, num_heads_q // num_heads_k, num_work, num_heads_q, flags,
-            SharedStorage,
+            scale_log2, score_premul, softmax_scale, num_heads_q // num_heads_k, heads_per_cta, num_work,
+            num_heads_q // heads_per_cta, flags, SharedStorage,
         ).launch(
-            grid=[num_work * num_heads_q, 1, 1],
+            grid=[num_work * (num_heads_q // heads_per_cta), 1, 1],
             block=[cfg.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -202,8 +214,9 @@ class FFABackwardSm90:
         score_premul: Float32,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
+        heads_per_cta: Int32,
         num_work: Int32,
-        num_heads: Int32,
+        num_slots: Int32,
         flags: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -229,11 +242,12 @@ class FFABackwardSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
-        w, head = cta_work_and_head(flags, num_work, num_heads)
+        w, slot = cta_work_and_head(flags, num_work, num_slots)
         n0 = mWork[w, 0]
         e0 = mWork[w, 1]
         e1 = mWork[w, 2]
-        head_kv = head // qhead_per_kvhead
+        head0 = slot * heads_per_cta
+        head_kv = head0 // qhead_per_kvhead
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -242,27 +256,27 @@ class FFABackwardSm90:
             if warp_idx == 0:
                 self.producer(
                     tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
-                    sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head, head_kv,
+                    sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head0, heads_per_cta, head_kv,
                 )  # fmt: skip
+            if warp_idx == 1:
+                self.dq_writer(tma_dq, tma_atom_dq, sdQ, mEnt, e0, e1, head0, heads_per_cta)
         else:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
                 tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
-                n0, e0, e1, head, head_kv, scale_log2, score_premul, softmax_scale,
+                n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale,
             )  # fmt: skip
 
     @cute.jit
     def producer(
         self, tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
-        sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head, head_kv,
+        sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head0, heads_per_cta, head_kv,
     ):  # fmt: skip
         """K and V once (one transaction), then Q and dO of every planned block, in the
-        consumers' order (entries in plan order, blocks in q order)."""
+        consumers' order (heads, then entries in plan order, then blocks in q order)."""
         cfg = self.cfg
         D = self.hdim
-        gQ = tma_q[None, None, head]
-        gdO = tma_do[None, None, head]
         kv_state = make_pipeline_state(PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         bar_kv = pipe_kv.producer_get_barrier(kv_state)
@@ -270,24 +284,27 @@ class FFABackwardSm90:
         tma_load_rows(tma_atom_v, tma_v[None, None, head_kv], n0, self.tile_n, D, sV, None, bar_kv)
         q_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
         do_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
-        for e in cutlass.range(e0, e1, unroll=1):
-            q_lo = mEnt[e, 0]
-            for j in cutlass.range(mEnt[e, 1], unroll=1):
-                qb = q_lo + j * self.tile_m
-                pipe_q.producer_acquire(q_state)
-                tma_load_rows(tma_atom_q, gQ, qb, self.tile_m, D, sQ, q_state.index,
-                              pipe_q.producer_get_barrier(q_state))  # fmt: skip
-                q_state.advance()
-                pipe_do.producer_acquire(do_state)
-                tma_load_rows(tma_atom_do, gdO, qb, self.tile_m, D, sdO, do_state.index,
-                              pipe_do.producer_get_barrier(do_state))  # fmt: skip
-                do_state.advance()
+        for hh in cutlass.range(heads_per_cta, unroll=1):
+            gQ = tma_q[None, None, head0 + hh]
+            gdO = tma_do[None, None, head0 + hh]
+            for e in cutlass.range(e0, e1, unroll=1):
+                q_lo = mEnt[e, 0]
+                for j in cutlass.range(mEnt[e, 1], unroll=1):
+                    qb = q_lo + j * self.tile_m
+                    pipe_q.producer_acquire(q_state)
+                    tma_load_rows(tma_atom_q, gQ, qb, self.tile_m, D, sQ, q_state.index,
+                                  pipe_q.producer_get_barrier(q_state))  # fmt: skip
+                    q_state.advance()
+                    pipe_do.producer_acquire(do_state)
+                    tma_load_rows(tma_atom_do, gdO, qb, self.tile_m, D, sdO, do_state.index,
+                                  pipe_do.producer_get_barrier(do_state))  # fmt: skip
+                    do_state.advance()
 
     @cute.jit
     def consumer(
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
-        n0, e0, e1, head, head_kv, scale_log2, score_premul, softmax_scale,
+        n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale,
     ):  # fmt: skip
         cfg = self.cfg
         D = self.hdim
@@ -324,43 +341,39 @@ class FFABackwardSm90:
 
         tScS = score_coords(thr_sdp, self.tile_n, self.tile_m)
         t0ScS = score_coords(tiled_mma_sdp.get_slice(0), self.tile_n, self.tile_m)
-        thr_dq = tiled_mma_dq.get_slice(ctid)
-        tdQsdQ = thr_dq.partition_C(sdQ)
-        dq_cols = D // cfg.num_mma_wg
-        sdQ_wg = cute.local_tile(sdQ, (self.tile_m, dq_cols), (0, wg_idx))
-        gdQ_head = tma_dq[None, None, head]
+        tdQsdQ = tiled_mma_dq.get_slice(ctid).partition_C(sdQ)
 
         kv_state = make_pipeline_state(PipelineUserType.Consumer, 1)
         q_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
         do_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
         consumer_wait(pipe_kv, kv_state)
-        for e in cutlass.range(e0, e1, unroll=1):
-            q_lo = mEnt[e, 0]
-            nblk = mEnt[e, 1]
-            # the transposed band: rows are keys, columns q rows (plan.build_bwd_plan_cpu)
-            ks = mEnt[e, 2]
-            ke = mEnt[e, 3]
-            lo = mEnt[e, 4]
-            hi = mEnt[e, 5]
-            qs = mEnt[e, 6]
-            qe = mEnt[e, 7]
-            f_lo = mEnt[e, 8]
-            f_hi = mEnt[e, 9]
-            for seg in cutlass.range_constexpr(3):
-                seg_lo = (0, f_lo, f_hi)[seg]
-                seg_hi = (f_lo, f_hi, nblk)[seg]
-                for j in cutlass.range(seg_lo, seg_hi, unroll=1):
-                    self.block_step(
-                        seg != 1, ctid, q_lo + j * self.tile_m, n0, head, ks, ke, lo, hi, qs, qe,
-                        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
-                        tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
-                        store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq,
-                        pipe_q, pipe_do, q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
-                    )  # fmt: skip
-                    q_state.advance()
-                    do_state.advance()
-        if ctid % 128 < 32:  # the last dQ reductions are done before the CTA exits
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        for hh in cutlass.range(heads_per_cta, unroll=1):
+            head = head0 + hh
+            for e in cutlass.range(e0, e1, unroll=1):
+                q_lo = mEnt[e, 0]
+                nblk = mEnt[e, 1]
+                # the transposed band: rows are keys, columns q rows (plan.build_bwd_plan_cpu)
+                ks = mEnt[e, 2]
+                ke = mEnt[e, 3]
+                lo = mEnt[e, 4]
+                hi = mEnt[e, 5]
+                qs = mEnt[e, 6]
+                qe = mEnt[e, 7]
+                f_lo = mEnt[e, 8]
+                f_hi = mEnt[e, 9]
+                for seg in cutlass.range_constexpr(3):
+                    seg_lo = (0, f_lo, f_hi)[seg]
+                    seg_hi = (f_lo, f_hi, nblk)[seg]
+                    for j in cutlass.range(seg_lo, seg_hi, unroll=1):
+                        self.block_step(
+                            seg != 1, ctid, q_lo + j * self.tile_m, n0, head, ks, ke, lo, hi, qs, qe,
+                            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
+                            tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS,
+                            tdQrKt, store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, pipe_q, pipe_do,
+                            q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
+                        )  # fmt: skip
+                        q_state.advance()
+                        do_state.advance()
         self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale)
 
     @cute.jit
@@ -368,7 +381,7 @@ class FFABackwardSm90:
         self, masked: cutlass.Constexpr[bool], ctid, qb, n0, head, ks, ke, lo, hi, qs, qe,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
         tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
-        store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq,
+        store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ,
         pipe_q, pipe_do, q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
     ):  # fmt: skip
         """One q block (rows qb .. qb + tile_m) against this CTA's keys; the caller advances
@@ -419,63 +432,81 @@ class FFABackwardSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
 
-        # dS^T -> shared memory, once both warpgroups' dQ GEMMs of the previous block are done
-        mma_threads = 128 * cfg.num_mma_wg
-        cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=mma_threads)
-        cute.copy(store_atom, thr_store.retile(rdS), tdSsdS)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=mma_threads)
-
+        # dS^T -> this block's dS buffer (double-buffered: see the module docstring); dV's GEMM
+        # needs only this warpgroup's registers, so it runs while the warpgroups meet
+        ds_idx = q_state.index % 2
+        cute.copy(store_atom, thr_store.retile(rdS), tdSsdS[None, None, None, ds_idx])
         wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_state.index], False, -1)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=128 * cfg.num_mma_wg)
+
         acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True, -1)
+        wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, -1)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_state.index], False, -1)
-        warpgroup.wait_group(1)  # dV and dQ
+        warpgroup.wait_group(1)
         pipe_do.consumer_release(do_state)
-        self.add_dq(ctid, acc_dQ, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq, qb, softmax_scale)
+        self.add_dq(ctid, acc_dQ, tdQsdQ, softmax_scale)
         warpgroup.wait_group(0)  # dK
         pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def add_dq(self, ctid, acc_dQ, tdQsdQ, sdQ_wg, gdQ_head, tma_atom_dq, qb, softmax_scale):
-        """dq_acc[qb + r, head, cols of this warpgroup] += softmax_scale * dQ[r, cols].
-
-        Registers -> this warpgroup's float32 tile in shared memory -> one TMA reduce-add
-        (rows past Tq are clipped by the TMA unit; rows the entry does not cover hold dS = 0,
-        so they add +0). Before overwriting the tile, the warpgroup's first warp (the TMA copy
-        elects its issuing lane within a whole warp) waits until its previous reduce-add has
-        read it."""
+    def add_dq(self, ctid, acc_dQ, tdQsdQ, softmax_scale):
+        """This warpgroup's float32 dQ tile in shared memory = softmax_scale * dQ, for the dQ
+        writer warp to add to dq_acc: wait until the tile is free, write, signal it full."""
         wg_idx = ctid // 128
-        barrier_id = int(NamedBarrier.DQWG1) + wg_idx
-        issuer = ctid % 128 < 32
-        if issuer:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        threads = 128 + cute.arch.WARP_SIZE
+        cute.arch.barrier(barrier_id=int(NamedBarrier.DQEmptyWG1) + wg_idx, number_of_threads=threads)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             tdQsdQ[i] = acc_dQ[i] * softmax_scale
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-        if issuer:
-            gdQ = cute.local_tile(
-                cute.domain_offset((qb, 0), gdQ_head),
-                (self.tile_m, self.hdim // self.cfg.num_mma_wg),
-                (0, wg_idx),
-            )
-            s_part, g_part = cpasync.tma_partition(
-                tma_atom_dq,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sdQ_wg, 0, 2),
-                cute.group_modes(gdQ, 0, 2),
-            )
-            cute.copy(tma_atom_dq, s_part, g_part)
-            cute.arch.cp_async_bulk_commit_group()
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQFullWG1) + wg_idx, number_of_threads=threads)
+
+    @cute.jit
+    def dq_writer(self, tma_dq, tma_atom_dq, sdQ, mEnt, e0, e1, head0, heads_per_cta):
+        """The dQ writer warp: for every block (in the consumers' order) and consumer warpgroup,
+        dq_acc[qb + r, head, the warpgroup's columns] += its shared-memory tile, by one TMA
+        reduce-add (rows past Tq are clipped by the TMA unit; rows the entry does not cover hold
+        dS = 0, so they add +0). Each tile is freed (DQEmpty) once the previous reduce-add that
+        read it has finished reading, then awaited (DQFull): one arrive and one wait per block, so
+        no barrier is left pending at exit."""
+        cfg = self.cfg
+        threads = 128 + cute.arch.WARP_SIZE
+        dq_cols = self.hdim // cfg.num_mma_wg
+        for hh in cutlass.range(heads_per_cta, unroll=1):
+            gdQ_head = tma_dq[None, None, head0 + hh]
+            for e in cutlass.range(e0, e1, unroll=1):
+                q_lo = mEnt[e, 0]
+                for j in cutlass.range(mEnt[e, 1], unroll=1):
+                    qb = q_lo + j * self.tile_m
+                    for wg in cutlass.range_constexpr(cfg.num_mma_wg):
+                        # the oldest outstanding copy is this warpgroup's previous one
+                        cute.arch.cp_async_bulk_wait_group(cfg.num_mma_wg - 1, read=True)
+                        cute.arch.barrier_arrive(
+                            barrier_id=int(NamedBarrier.DQEmptyWG1) + wg, number_of_threads=threads
+                        )
+                        cute.arch.barrier(
+                            barrier_id=int(NamedBarrier.DQFullWG1) + wg, number_of_threads=threads
+                        )
+                        sdQ_wg = cute.local_tile(sdQ, (self.tile_m, dq_cols), (0, wg))
+                        gdQ = cute.local_tile(
+                            cute.domain_offset((qb, 0), gdQ_head), (self.tile_m, dq_cols), (0, wg)
+                        )
+                        s_part, g_part = cpasync.tma_partition(
+                            tma_atom_dq,
+                            0,
+                            cute.make_layout(1),
+                            cute.group_modes(sdQ_wg, 0, 2),
+                            cute.group_modes(gdQ, 0, 2),
+                        )
+                        cute.copy(tma_atom_dq, s_part, g_part)
+                        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reductions land before exit
 
     @cute.jit
     def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale):
-        """dk_acc / dv_acc rows of this tile += the register accumulators (dK times softmax_scale).
-
-        Other CTAs (the other q heads of a GQA group) add to the same rows: atomic adds."""
+        """The rows of this tile of dk / dv = (``dkv_store``) or += the register accumulators (dK
+        times softmax_scale). Added: other CTAs (other q heads of the GQA group) may add to the
+        same rows, so the adds are atomic."""
         thr_dkv = tiled_mma_dkv.get_slice(ctid)
         cdKV = acc_rows_cols(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim))))
         dk = acc_rows_cols(acc_dK)
@@ -490,5 +521,12 @@ class FFABackwardSm90:
                 off = cutlass.Int64(row) * row_stride
                 for c in cutlass.range_constexpr(0, cute.size(dk, mode=[1]), 2):
                     col = cdKV[r, c][1]
-                    red_add_f32x2(base_k + off + col, dk[r, c] * softmax_scale, dk[r, c + 1] * softmax_scale)
-                    red_add_f32x2(base_v + off + col, dv[r, c], dv[r, c + 1])
+                    dk0 = dk[r, c] * softmax_scale
+                    dk1 = dk[r, c + 1] * softmax_scale
+                    if cutlass.const_expr(self.dkv_store):
+                        is_bf16 = self.dtype == cutlass.BFloat16
+                        store_pair_16bit(base_k + off + col, dk0, dk1, is_bf16)
+                        store_pair_16bit(base_v + off + col, dv[r, c], dv[r, c + 1], is_bf16)
+                    else:
+                        red_add_f32x2(base_k + off + col, dk0, dk1)
+                        red_add_f32x2(base_v + off + col, dv[r, c], dv[r, c + 1])

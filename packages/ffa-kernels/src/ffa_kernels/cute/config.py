@@ -76,14 +76,18 @@ class BwdConfig(_KernelConfig):
     num_stages: int = 2  # Q and dO shared-memory stages (each)
     num_mma_wg: int = 2  # consumer warpgroups issuing WGMMA
     mma_regs: int = 240  # setmaxnreg for consumer warpgroups
-    producer_regs: int = 24  # setmaxnreg for the TMA producer warpgroup
+    producer_regs: int = 24  # setmaxnreg for the producer warpgroup (TMA producer, dQ writer)
 
     def __post_init__(self) -> None:
         assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
         assert self.num_mma_wg == 2, "the dQ GEMM splits the head dim over 2 consumer warpgroups"
         assert self.tile_n == 64 * self.num_mma_wg
         assert self.tile_m == 64
-        assert self.num_stages >= 1
+        # the dS tile is double-buffered by block parity, read off the Q stage index
+        assert self.num_stages % 2 == 0
+        # setmaxnreg moves registers between the warpgroups of a CTA launched with 65536 / 384
+        # = 168 per thread: an increase beyond what the decrease freed would wait forever
+        assert self.producer_regs + self.num_mma_wg * self.mma_regs <= 168 * (self.num_mma_wg + 1)
 
 
 @functools.cache

@@ -17,8 +17,12 @@ class NamedBarrier(enum.IntEnum):
     SchedWG3 = 3
     Epilogue = 4
     PdS = 5  # backward: dS written to / read from shared memory by both consumer warpgroups
-    DQWG1 = 6  # backward: a consumer warpgroup's dQ tile in shared memory (6 + warpgroup index)
-    DQWG2 = 7
+    # backward: a consumer warpgroup's float32 dQ tile in shared memory (+ warpgroup index) is
+    # free to write (the dQ writer warp's reduce-add has read it) / written (ready to add)
+    DQEmptyWG1 = 6
+    DQEmptyWG2 = 7
+    DQFullWG1 = 8
+    DQFullWG2 = 9
 
 
 def tma_pipeline(barrier_ptr, num_stages: int, tx_bytes: int, consumer_warps: int):

@@ -1,0 +1,63 @@
+"""Where the time of one training step of attention goes: every CUDA kernel of
+``flex_flash_attn_func``'s forward + backward (torch.profiler), summed by name, per case.
+
+    python tools/profile_step.py [--cases full8k,causal8k] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from bench_ffa import make_cases
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_times(fn, steps: int) -> dict[str, tuple[int, float]]:
+    """{kernel name: (calls per step, microseconds per step)} over ``steps`` runs of ``fn``."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    acc: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            acc[ev.name][0] += 1
+            acc[ev.name][1] += ev.device_time
+    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="full8k,causal8k")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    from ffa_kernels import flex_flash_attn_func
+
+    for case in make_cases(args.cases.split(",")):
+        torch.manual_seed(0)
+        qkv = [
+            torch.randn(case.total, h, case.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for h in (case.hq, case.hk, case.hk)
+        ]
+        qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
+        kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
+        ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+        dout = torch.randn_like(qkv[0])
+
+        def step(qkv=qkv, qr=qr, kr=kr, ty=ty, dout=dout):
+            out, _ = flex_flash_attn_func(*qkv, qr, kr, ty)
+            torch.autograd.grad(out, qkv, dout)
+
+        times = kernel_times(step, args.steps)
+        total = sum(us for _, us in times.values())
+        print(f"\n{case.name}: {total:.0f} us of kernels per step")
+        for name, (n, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {us:9.1f} us  x{n:<3d} {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
