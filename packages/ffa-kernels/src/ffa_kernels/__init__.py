@@ -9,6 +9,11 @@ Public API (the contract is docs/api.md):
   `ffa_forward_stage` (with `forward_accumulators`, `accumulator_dtype`), `ffa_backward_stage`,
   `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
 - mask type codes `MaskType` / `FULL`, `CAUSAL`, `INVCAUSAL`, `BICAUSAL`, and `mask_type_code`.
+- `validate_attn_inputs`: `flex_flash_attn_func`'s checks of every argument but the ranges, for
+  callers that make the ranges themselves (magi-dist checks its arguments with it, before any
+  collective). What is checked where: docs/reliability.md.
+- `once_differentiable(what)`: the backward decorator of flex_flash_attn_func's autograd
+  Function and magi-dist's (a second differentiation raises instead of being silently wrong).
 
 Backend: ``FFA_BACKEND=reference|cute``; by default the CuTe kernels on CUDA compute capability
 9.x when ``ffa_kernels.cute`` is importable, the pure-torch reference elsewhere.
@@ -20,11 +25,12 @@ from ._frontend import (
     ffa_forward_stage,
     flex_flash_attn_func,
     forward_accumulators,
+    once_differentiable,
 )
 from ._merge import merge_lse_
 from ._sink import apply_sink, sink_backward, sink_lse
 from ._types import BICAUSAL, CAUSAL, FULL, INVCAUSAL, AttnForwardMeta, MaskType, mask_type_code
-from ._validate import accumulator_dtype
+from ._validate import AttnInputs, accumulator_dtype, validate_attn_inputs
 
 __version__ = "0.1.0"
 
@@ -34,6 +40,7 @@ __all__ = [
     "FULL",
     "INVCAUSAL",
     "AttnForwardMeta",
+    "AttnInputs",
     "MaskType",
     "__version__",
     "accumulator_dtype",
@@ -45,6 +52,8 @@ __all__ = [
     "forward_accumulators",
     "mask_type_code",
     "merge_lse_",
+    "once_differentiable",
     "sink_backward",
     "sink_lse",
+    "validate_attn_inputs",
 ]

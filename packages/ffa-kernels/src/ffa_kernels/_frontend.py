@@ -11,6 +11,7 @@ the same result for a mask whose keys live on several ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -30,7 +31,13 @@ from ._validate import (
     validate_attn_args,
 )
 
-__all__ = ["ffa_backward_stage", "ffa_forward", "ffa_forward_stage", "flex_flash_attn_func"]
+__all__ = [
+    "ffa_backward_stage",
+    "ffa_forward",
+    "ffa_forward_stage",
+    "flex_flash_attn_func",
+    "once_differentiable",
+]
 
 _NEG_INF = float("-inf")
 
@@ -315,8 +322,64 @@ def ffa_backward_stage(
 # ----------------------------------------------------------------------------- autograd
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes first-order gradients through; raises when they are differentiated again."""
+
+    @staticmethod
+    def forward(ctx, what, num_anchors, *tensors):  # type: ignore[override]
+        ctx.what = what
+        return tuple(t.clone() for t in tensors[num_anchors:])
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise RuntimeError(
+            f"{ctx.what}: double backward is not supported (its backward is once_differentiable): "
+            "a second derivative through it would be wrong"
+        )
+
+
+def once_differentiable(what: str):
+    """Decorator for an autograd Function's ``backward``: run it without recording a graph and,
+    under ``create_graph=True``, return gradients whose own backward raises ``RuntimeError``
+    ("double backward is not supported") naming ``what``.
+
+    ``torch.autograd.function.once_differentiable`` hangs its error node on detached copies, so
+    ``torch.autograd.grad(first_grad, q)`` never reaches it (it reports "not used in the
+    graph", or with ``allow_unused`` drops the term silently). Here the node hangs on what the
+    gradients really depend on: the incoming gradients and the saved tensors that need grad.
+    """
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grad_outputs):
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            if not torch.is_grad_enabled():  # a plain backward (create_graph=False)
+                return grads
+            anchors = [
+                t
+                for t in (*grad_outputs, *ctx.saved_tensors)
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if not anchors:
+                return grads
+            at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+            wrapped = _NoDoubleBackward.apply(what, len(anchors), *anchors, *(grads[i] for i in at))
+            out = list(grads)
+            for i, g in zip(at, wrapped):
+                out[i] = g
+            return tuple(out)
+
+        return wrapper
+
+    return decorate
+
+
 class _FlexFlashAttn(torch.autograd.Function):
-    """Autograd wrapper: differentiable in q, k, v and sink; lse and max_logits are not."""
+    """Autograd wrapper: differentiable in q, k, v and sink; lse and max_logits are not.
+
+    Once differentiable: the backward is not itself differentiated (``create_graph=True`` then a
+    second grad raises ``RuntimeError``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits, deterministic):  # type: ignore[override]
@@ -336,6 +399,7 @@ class _FlexFlashAttn(torch.autograd.Function):
         return out, lse, max_logits
 
     @staticmethod
+    @once_differentiable("flex_flash_attn_func")  # a second grad raises instead of being wrong
     def backward(ctx, dout, _dlse, _dmax):  # type: ignore[override]
         q, k, v, sink, out_acc, lse_acc = ctx.saved_tensors
         args = dataclasses.replace(ctx.args, q=q, k=k, v=v)

@@ -3,6 +3,11 @@
 A hit needs the very same tensor objects (checked through weak references, so a recycled ``id``
 never matches), the same storage pointer, shape and dtype, and the same in-place version counter
 (an in-place write to a range tensor invalidates its entry).
+
+What it cannot see: writes that bypass the version counter (through ``.numpy()``, ``.data``,
+DLPack, or a collective such as ``dist.broadcast`` writing into an existing tensor). Callers
+that must see those compare the contents too (``_validate`` does for host tensors). Inference
+tensors have no version counter at all: they are never cached (a miss, not an error).
 """
 
 from __future__ import annotations
@@ -14,13 +19,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["IdentityCache"]
+__all__ = ["IdentityCache", "cacheable"]
 
 
 def _ident(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return (id(t), t.data_ptr(), t._version, tuple(t.shape), t.dtype)
+
+
+def cacheable(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every tensor has a version counter (inference tensors have none)."""
+    return not any(t is not None and t.is_inference() for t in tensors)
 
 
 class IdentityCache:
@@ -34,6 +44,9 @@ class IdentityCache:
         return (*(_ident(t) for t in tensors), extra)
 
     def get(self, tensors: Sequence[torch.Tensor | None], extra: Hashable = None) -> Any | None:
+        """The value stored for these very tensors (unchanged since) and ``extra``, else None."""
+        if not cacheable(tensors):
+            return None
         key = self._key(tensors, extra)
         hit = self._entries.get(key)
         if hit is None:
@@ -47,6 +60,9 @@ class IdentityCache:
         return value
 
     def put(self, tensors: Sequence[torch.Tensor | None], extra: Hashable, value: Any) -> None:
+        """Store ``value`` for these tensors and ``extra`` (nothing for inference tensors)."""
+        if not cacheable(tensors):
+            return
         refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
         self._entries[self._key(tensors, extra)] = (refs, value)
         while len(self._entries) > self.maxsize:

@@ -1,9 +1,12 @@
-"""Input validation, done once per call and before any compute.
+"""Input validation, done once per call and before any compute: the one module that
+ffa_kernels and magi_dist share (magi_dist's ``calc_attn`` calls `validate_attn_inputs`).
 
 Every error names the offending argument and the value seen, so a wrong call fails loudly
 instead of producing a silently wrong result. The checks are cheap: shape/dtype/device checks
 are metadata only, and the range values reach the host once (one device-to-host copy of an
-``(N, 5)`` int tensor), after which the value checks are vectorised.
+``(N, 5)`` int tensor), after which the value checks are vectorised; repeated calls with the
+same range tensors reuse the result (see ``_CHECKED_RANGES`` for what a hit needs).
+What is checked where, and what is not, is in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._identity_cache import IdentityCache
+from ._identity_cache import IdentityCache, cacheable
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "AttnInputs",
     "ValidatedAttnArgs",
     "accumulator_dtype",
     "check_accumulator",
@@ -26,6 +30,7 @@ __all__ = [
     "check_sink",
     "check_sink_shape",
     "validate_attn_args",
+    "validate_attn_inputs",
 ]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -134,27 +139,41 @@ def _first_bad(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 
 
-# Range tensors already checked (same objects, unchanged): no device->host copy, no sync.
+# Range checks already done, so that a repeated call makes no device->host copy and no sync.
+# A hit needs the same tensor objects with the same version counter (`IdentityCache`), and for
+# ranges on the host also the same content: reading host memory costs no sync, and it sees the
+# writes that the version counter misses (through .numpy() or .data, or dist.broadcast into the
+# tensor). Ranges on q's device are trusted by their version counter alone: comparing their
+# content would copy them to the host and wait for the stream on every call. Writes to device
+# ranges that bypass the counter are therefore not seen; docs/reliability.md says so.
 _CHECKED_RANGES = IdentityCache(maxsize=256)
+
+
+def _host_content(tensors: tuple[torch.Tensor | None, ...]) -> tuple[bytes | None, ...]:
+    """The bytes of the host tensors among ``tensors`` (None for device tensors and None)."""
+    return tuple(t.numpy().tobytes() if t is not None and t.device.type == "cpu" else None for t in tensors)
 
 
 def _check_ranges(
     q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
-    tensors = tuple(t if isinstance(t, torch.Tensor) else None for t in (q_ranges, k_ranges, attn_type_map))
+    tensors = _check_range_tensors(q_ranges, k_ranges, attn_type_map, device)
+    if not cacheable(tensors):  # inference tensors: no version counter to key by
+        return _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
     extra = (tq, tk, str(device))
-    if tensors[0] is not None and tensors[1] is not None:
-        hit = _CHECKED_RANGES.get(tensors, extra)
-        if hit is not None:
-            return hit
+    content = _host_content(tensors)
+    hit = _CHECKED_RANGES.get(tensors, extra)
+    if hit is not None and hit[0] == content:
+        return hit[1]
     result = _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
-    _CHECKED_RANGES.put(tensors, extra, result)
+    _CHECKED_RANGES.put(tensors, extra, (content, result))
     return result
 
 
-def _check_ranges_uncached(
-    q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+def _check_range_tensors(
+    q_ranges: object, k_ranges: object, attn_type_map: object, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Types, dtypes, devices and shapes of the range arguments (metadata only, no copy)."""
     qr = _check_index_tensor("q_ranges", q_ranges, device)
     kr = _check_index_tensor("k_ranges", k_ranges, device)
     for name, t in (("q_ranges", qr), ("k_ranges", kr)):
@@ -164,11 +183,19 @@ def _check_ranges_uncached(
     if kr.shape[0] != n:
         raise ValueError(f"q_ranges and k_ranges must have the same N, got {qr.shape[0]} and {kr.shape[0]}")
     if attn_type_map is None:
-        tm = torch.zeros(n, dtype=torch.int32, device=qr.device)
-    else:
-        tm = _check_index_tensor("attn_type_map", attn_type_map, device)
-        if tm.dim() != 1 or tm.shape[0] != n:
-            raise ValueError(f"attn_type_map must have shape (N,) = ({n},), got {tuple(tm.shape)}")
+        return qr, kr, None
+    tm = _check_index_tensor("attn_type_map", attn_type_map, device)
+    if tm.dim() != 1 or tm.shape[0] != n:
+        raise ValueError(f"attn_type_map must have shape (N,) = ({n},), got {tuple(tm.shape)}")
+    return qr, kr, tm
+
+
+def _check_ranges_uncached(
+    q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+    qr, kr, tm = _check_range_tensors(q_ranges, k_ranges, attn_type_map, device)
+    if tm is None:
+        tm = torch.zeros(qr.shape[0], dtype=torch.int32, device=qr.device)
 
     # One host copy for all value checks (and for the reference backend's slice loop).
     parts = [qr, kr, tm.view(-1, 1)]
@@ -223,11 +250,63 @@ def validate_attn_args(
     """Check and normalise the arguments shared by every entry point (see module docstring)."""
     q, k, v = _check_qkv(q, k, v)
     qr, kr, tm, slices = _check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
+    scale, cap = _check_scale_softcap(q, softmax_scale, softcap)
+    return ValidatedAttnArgs(q, k, v, qr, kr, tm, slices, scale, cap)
+
+
+def _check_scale_softcap(q: torch.Tensor, softmax_scale: object, softcap: object) -> tuple[float, float]:
     scale = q.shape[2] ** -0.5 if softmax_scale is None else _check_real("softmax_scale", softmax_scale)
     cap = _check_real("softcap", softcap)
     if cap < 0:
         raise ValueError(f"softcap must be >= 0 (0 disables it), got {cap}")
-    return ValidatedAttnArgs(q, k, v, qr, kr, tm, slices, scale, cap)
+    return scale, cap
+
+
+@dataclass(frozen=True)
+class AttnInputs:
+    """What `validate_attn_inputs` checked, normalised: q contiguous, k/v with dense rows, the
+    sink contiguous (or None), ``softmax_scale`` resolved (``D ** -0.5`` for None), ``softcap``
+    a float >= 0."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    sink: torch.Tensor | None
+    sink_layout: str
+    softmax_scale: float
+    softcap: float
+    return_max_logits: bool
+
+
+def validate_attn_inputs(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    sink: object = None,
+    sink_layout: object = "sh",
+    softmax_scale: object = None,
+    softcap: object = 0.0,
+    return_max_logits: object = False,
+) -> AttnInputs:
+    """Check every argument of `flex_flash_attn_func` but the ranges, with its messages.
+
+    The same checks `flex_flash_attn_func` makes (q/k/v shapes, dtypes and devices, GQA;
+    ``softmax_scale`` None or a finite real, not a bool or a string; ``softcap`` a finite real
+    >= 0; ``sink`` float32 (float64 for float64 q) of its layout's shape on q's device;
+    ``return_max_logits`` a bool), for callers that build the ranges themselves: magi_dist's
+    ``calc_attn`` runs them before any collective, on every rank, so a bad argument fails the
+    same way everywhere instead of on the ranks that happen to have work.
+
+    Raises:
+        TypeError / ValueError naming the argument and the value seen.
+    """
+    q, k, v = _check_qkv(q, k, v)
+    scale, cap = _check_scale_softcap(q, softmax_scale, softcap)
+    sink = check_sink(sink, sink_layout, q)
+    return AttnInputs(
+        q, k, v, sink, sink_layout, scale, cap, check_bool("return_max_logits", return_max_logits)
+    )
 
 
 def check_sink_shape(sink: object, sink_layout: object, tq: int, hq: int) -> torch.Tensor:
