@@ -7,19 +7,15 @@ Typical use (every rank of the cp group)::
     out, meta = calc_attn(q, k, v, key)
     out_global = undispatch(out, key)
 
-Runs on CPU (gloo, reference attention) and on GPUs (NCCL, FFA kernels).
+Runs on CPU (gloo, reference attention) and on GPUs (NCCL, FFA kernels). What is checked
+where (arguments, keys across ranks, caches): docs/reliability.md.
 """
 
 from ffa_kernels import AttnForwardMeta
 from magi_dist.attn import calc_attn
 from magi_dist.dispatch import dispatch, get_position_ids, undispatch
-from magi_dist.key import (
-    DistAttnRuntimeKey,
-    clear_cache,
-    get_runtime,
-    magi_attn_flex_key,
-    magi_attn_varlen_key,
-)
+from magi_dist.key import DistAttnRuntimeKey, magi_attn_flex_key, magi_attn_varlen_key
+from magi_dist.runtime import clear_cache, get_runtime
 
 __version__ = "0.1.0"
 

@@ -26,11 +26,14 @@ from ffa_kernels import (
     ffa_forward,
     ffa_forward_stage,
     forward_accumulators,
+    once_differentiable,
     sink_backward,
+    validate_attn_inputs,
 )
 from magi_comm import group_cast, group_reduce
-from magi_dist.key import DistAttnRuntimeKey, get_runtime
-from magi_dist.runtime import DistAttnRuntime, StageTensors
+from magi_dist.fingerprint import check_key
+from magi_dist.key import DistAttnRuntimeKey
+from magi_dist.runtime import DistAttnRuntime, StageTensors, get_runtime
 
 ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
@@ -264,6 +267,7 @@ class _DistAttnFunc(torch.autograd.Function):
         return out, lse, ml
 
     @staticmethod
+    @once_differentiable("magi_dist.calc_attn")  # a second grad raises instead of being wrong
     def backward(ctx, dout, _dlse, _dml):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = dout.contiguous()
@@ -276,17 +280,21 @@ class _DistAttnFunc(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None
 
 
-def _check_local(name: str, x: object, rows: int, heads: int, d: int, total: int) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() == 3 and x.shape[0] == total and total != rows:
+def _check_heads(name: str, x: object, heads: int, d: int) -> None:
+    if isinstance(x, torch.Tensor) and x.dim() == 3 and tuple(x.shape[1:]) != (heads, d):
+        raise ValueError(
+            f"{name}: expected shape (local rows, {heads}, {d}) for this key, got {tuple(x.shape)}"
+        )
+
+
+def _check_rows(name: str, x: torch.Tensor, rows: int, total: int) -> None:
+    if x.shape[0] == total and total != rows:
         raise ValueError(
             f"{name}: has {total} rows, the global length; calc_attn takes dispatched tensors "
             f"({rows} local rows): use dispatch({name}, key)"
         )
-    if tuple(x.shape) != (rows, heads, d):
-        raise ValueError(f"{name}: expected shape {(rows, heads, d)} for this key, got {tuple(x.shape)}")
-    return x
+    if x.shape[0] != rows:
+        raise ValueError(f"{name}: expected shape {(rows, *x.shape[1:])} for this key, got {tuple(x.shape)}")
 
 
 def calc_attn(
@@ -313,43 +321,40 @@ def calc_attn(
         ``(local_out, AttnForwardMeta(lse, max_logits))``: out ``(shard_seqlen, Hq, D)`` in q's
         dtype, lse float32 ``(shard_seqlen, Hq)`` (local rows), max_logits float32 ``(Hq,)`` equal on
         every rank, or None.
+    Raises:
+        TypeError / ValueError naming the argument: the checks of ``flex_flash_attn_func``
+        (``ffa_kernels.validate_attn_inputs``) and the shapes this key needs, all before any
+        collective; ValueError on every rank when the ranks built different keys (checked on
+        the key object's first collective use, ``magi_dist.fingerprint``). Not differentiable
+        twice (a second grad raises RuntimeError). Runs under ``torch.inference_mode()``.
     """
+    if not isinstance(key, DistAttnRuntimeKey):
+        raise TypeError(f"key: expected a DistAttnRuntimeKey, got {type(key).__name__}")
+    # 1. Every argument, before any collective, with flex_flash_attn_func's own checks: a bad
+    #    argument fails on every rank alike, not only on the ranks that happen to have work.
+    _check_heads("q", q, key.num_heads_q, key.head_dim)
+    _check_heads("k", k, key.num_heads_kv, key.head_dim)
+    _check_heads("v", v, key.num_heads_kv, key.head_dim)
+    sink_layout = "ssh" if isinstance(sink, torch.Tensor) and sink.dim() == 3 else "sh"
+    args = validate_attn_inputs(
+        q, k, v, sink=sink, sink_layout=sink_layout, softmax_scale=softmax_scale, softcap=softcap,
+        return_max_logits=return_max_logits,
+    )  # fmt: skip
+    # 2. The key object's first collective use: every rank must hold the same key.
+    check_key(key)
+    # 3. The row counts, which the plan gives (planning is local).
     rt = get_runtime(key)
-    rows, total = rt.shard_seqlen, rt.plan.total_seqlen
-    q = _check_local("q", q, rows, key.num_heads_q, key.head_dim, total)
-    k = _check_local("k", k, rows, key.num_heads_kv, key.head_dim, total)
-    v = _check_local("v", v, rows, key.num_heads_kv, key.head_dim, total)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v: devices differ: {q.device}, {k.device}, {v.device}")
-    sink_layout = "sh"
-    if sink is not None:
-        if not isinstance(sink, torch.Tensor):
-            raise TypeError(f"sink: expected a torch.Tensor, got {type(sink).__name__}")
-        if sink.dim() == 3:
-            sink_layout = "ssh"
-            if sink.shape[0] != rows or sink.shape[2] != key.num_heads_q:
-                raise ValueError(
-                    f"sink: expected (shard_seqlen={rows}, S_sink, Hq={key.num_heads_q}), got {tuple(sink.shape)}"
-                )
-        elif sink.dim() != 2 or sink.shape[1] != key.num_heads_q:
-            raise ValueError(f"sink: expected (S_sink, Hq={key.num_heads_q}), got {tuple(sink.shape)}")
-        if sink.device != q.device:
-            raise ValueError(f"sink: must be on q's device {q.device}, got {sink.device}")
-    scale = key.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
-    softcap = float(softcap)
-    if softcap < 0:
-        raise ValueError(f"softcap: must be >= 0, got {softcap}")
+    for name, x in (("q", args.q), ("k", args.k), ("v", args.v)):
+        _check_rows(name, x, rt.shard_seqlen, rt.plan.total_seqlen)
     out, lse, ml = _DistAttnFunc.apply(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        sink,
+        args.q,
+        args.k.contiguous(),
+        args.v.contiguous(),
+        args.sink,
         rt,
         sink_layout,
-        scale,
-        softcap,
-        bool(return_max_logits),
+        args.softmax_scale,
+        args.softcap,
+        args.return_max_logits,
     )
     return out, AttnForwardMeta(lse=lse, max_logits=ml)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from magi_dist.key import DistAttnRuntimeKey, get_runtime
-from magi_dist.runtime import DistAttnRuntime
+from magi_dist.fingerprint import check_key
+from magi_dist.key import DistAttnRuntimeKey
+from magi_dist.runtime import DistAttnRuntime, get_runtime
 
 
 def _take_local(x: torch.Tensor, rt: DistAttnRuntime, pad_value: float) -> torch.Tensor:
@@ -32,15 +33,16 @@ def _gather_global(local: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rt: DistAttnRuntime, pad_value: float) -> torch.Tensor:
-        ctx.rt = rt
+    def forward(ctx, x: torch.Tensor, rt: DistAttnRuntime, key: DistAttnRuntimeKey, pad_value: float):
+        ctx.rt, ctx.key = rt, key
         return _take_local(x, rt, pad_value)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         # x is replicated and each rank uses only its rows: the full gradient is the union of the
-        # ranks' local gradients, i.e. their all-gather.
-        return _gather_global(grad, ctx.rt), None, None
+        # ranks' local gradients, i.e. their all-gather (the key's first collective, perhaps).
+        check_key(ctx.key)
+        return _gather_global(grad, ctx.rt), None, None, None
 
 
 class _Undispatch(torch.autograd.Function):
@@ -67,18 +69,26 @@ def _check_global(x: object, rt: DistAttnRuntime, name: str) -> torch.Tensor:
 
 def dispatch(x: torch.Tensor, key: DistAttnRuntimeKey, pad_value: float = 0.0) -> torch.Tensor:
     """Global ``(T, ...)`` -> this rank's ``(shard_seqlen, ...)``: its chunks in ascending chunk id,
-    the tail padded with ``pad_value`` up to the chunk grid. Differentiable (backward all-gathers)."""
+    the tail padded with ``pad_value`` up to the chunk grid. Differentiable (backward all-gathers).
+
+    Local (no collective) in the forward; the backward's all-gather is preceded, on the key
+    object's first collective use, by the cross-rank key check (``magi_dist.fingerprint``)."""
     rt = get_runtime(key)
     x = _check_global(x, rt, "x")
-    return _Dispatch.apply(x, rt, float(pad_value))
+    return _Dispatch.apply(x, rt, key, float(pad_value))
 
 
 def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
     """Inverse of :func:`dispatch`: every rank gets the global ``(T, ...)`` tensor (padding dropped).
-    Collective over the key's group. Differentiable (backward keeps this rank's rows)."""
-    rt = get_runtime(key)
+    Collective over the key's group (the first use of a key object also checks that every rank
+    holds the same key: ``magi_dist.fingerprint``). Differentiable (backward keeps this rank's
+    rows)."""
+    if not isinstance(key, DistAttnRuntimeKey):
+        raise TypeError(f"key: expected a DistAttnRuntimeKey, got {type(key).__name__}")
     if not isinstance(local_x, torch.Tensor):
         raise TypeError(f"local_x: expected a torch.Tensor, got {type(local_x).__name__}")
+    check_key(key)
+    rt = get_runtime(key)
     if local_x.dim() < 1 or local_x.shape[0] != rt.shard_seqlen:
         raise ValueError(
             f"local_x: expected {rt.shard_seqlen} local rows (this key's shard), got shape {tuple(local_x.shape)}"
@@ -88,6 +98,6 @@ def undispatch(local_x: torch.Tensor, key: DistAttnRuntimeKey) -> torch.Tensor:
 
 def get_position_ids(key: DistAttnRuntimeKey) -> torch.Tensor:
     """int64 ``(shard_seqlen,)``: global token index of each local row (padding rows get indices
-    ``>= total_seqlen``), on the group's communication device."""
+    ``>= total_seqlen``), on the group's communication device. Local (no collective)."""
     rt = get_runtime(key)
     return rt.position_ids(rt.comm_device())

@@ -1,10 +1,12 @@
-"""Runtime keys: a hashable description of one distributed attention problem, and the plan cache."""
+"""Runtime keys: a hashable description of one distributed attention problem.
+
+The runtimes themselves (plan, index tensors) and their cache live in ``magi_dist.runtime``;
+the cross-rank check that every rank holds the same key, in ``magi_dist.fingerprint``.
+"""
 
 from __future__ import annotations
 
-import logging
-import os
-from collections import OrderedDict
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,20 +14,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from magi_dist.runtime import DistAttnRuntime
 from magi_solver import AttnMask, AttnRanges, DistAttnConfig, masks
-
-logger = logging.getLogger(__name__)
-
-ENV_CACHE_SIZE = "MAGI_DIST_RUNTIME_CACHE_SIZE"
 
 
 @dataclass(frozen=True)
 class DistAttnRuntimeKey:
     """Identifies a plan: the mask, the head geometry, the process group and the config.
 
-    Equal keys share one cached runtime (plan, comm arguments, index tensors). ``group`` is carried
-    along but not hashed; ``group_ranks`` (global ranks of the group, in group order) is.
+    Equal keys share one cached runtime (plan, comm arguments, index tensors). ``group`` (the
+    ProcessGroup object, compared by identity) is part of the key: two groups over the same ranks
+    give different keys, so a runtime never runs its collectives on another group.
+    ``group_ranks`` (global ranks of the group, in group order) is what the ranks compare.
     """
 
     q_ranges: tuple[tuple[int, int], ...]
@@ -38,7 +37,15 @@ class DistAttnRuntimeKey:
     head_dim: int
     group_ranks: tuple[int, ...]
     config_json: str
-    group: Any = field(default=None, compare=False, hash=False, repr=False)
+    group: Any = field(default=None, repr=False)
+
+    def __hash__(self) -> int:
+        # Computed once: a key of 100k slices takes ~2 ms to hash, and every call looks it up.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def cp_size(self) -> int:
@@ -127,7 +134,9 @@ def magi_attn_flex_key(
     """Key of a mask given as slices (global coordinates; self-attention: totals equal).
 
     ``attn_mask_type`` is one type for all slices or one per slice (codes, strings or
-    ``AttnMaskType``). The plan is made (collectively, once per key) on first use.
+    ``AttnMaskType``). The plan is made on first use, by each rank alone; the first collective
+    use of the key object (``calc_attn``, ``undispatch``) checks that every rank of the group
+    built the same key (``magi_dist.fingerprint``).
     """
     mask = AttnMask(q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k)
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
@@ -149,29 +158,3 @@ def magi_attn_varlen_key(
     mask = masks.varlen(cu_seqlens_q, cu_seqlens_k, causal=causal, window_size=window_size)
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
     return _make_key(mask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config)
-
-
-_RUNTIMES: OrderedDict[DistAttnRuntimeKey, DistAttnRuntime] = OrderedDict()
-
-
-def get_runtime(key: DistAttnRuntimeKey) -> DistAttnRuntime:
-    """The runtime of ``key``, planning on first use (collective in dynamic overlap mode)."""
-    if not isinstance(key, DistAttnRuntimeKey):
-        raise TypeError(f"key: expected a DistAttnRuntimeKey, got {type(key).__name__}")
-    rt = _RUNTIMES.get(key)
-    if rt is not None:
-        _RUNTIMES.move_to_end(key)
-        return rt
-    if dist.get_rank(key.group) < 0:
-        raise ValueError("key: made for a process group this process is not a member of")
-    rt = DistAttnRuntime.build(key)
-    _RUNTIMES[key] = rt
-    limit = int(os.environ.get(ENV_CACHE_SIZE, "64"))
-    while len(_RUNTIMES) > max(1, limit):
-        _RUNTIMES.popitem(last=False)
-    return rt
-
-
-def clear_cache() -> None:
-    """Drop every cached runtime."""
-    _RUNTIMES.clear()

@@ -1,14 +1,24 @@
-"""Per-key runtime: the plan of this rank and the index tensors the hot path needs, per device."""
+"""Per-key runtime: the plan of this rank and the index tensors the hot path needs, per device;
+and the runtime cache (`get_runtime`, `clear_cache`).
+
+Building a runtime makes no collective: every rank plans the same key the same way (the
+planner is deterministic, and ``magi_dist.fingerprint`` checks before the first data collective
+that the ranks hold the same key). So a rank whose cache differs from its peers' (it called
+`clear_cache`, has a smaller ``MAGI_DIST_RUNTIME_CACHE_SIZE``, or caught an exception while
+planning) only plans again; it never waits on a collective the others do not make.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from magi_dist.key import DistAttnRuntimeKey
 from magi_solver import (
     DistAttnConfig,
     DistAttnPlan,
@@ -19,10 +29,10 @@ from magi_solver import (
     make_plan,
 )
 
-if TYPE_CHECKING:
-    from magi_dist.key import DistAttnRuntimeKey
-
 logger = logging.getLogger(__name__)
+
+ENV_CACHE_SIZE = "MAGI_DIST_RUNTIME_CACHE_SIZE"
+DEFAULT_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,10 @@ class DistAttnRuntime:
     def build(key: DistAttnRuntimeKey) -> DistAttnRuntime:
         group = key.group
         config = DistAttnConfig.model_validate_json(key.config_json)
-        plan = make_plan(key.mask(), key.cp_size, config, degree_agreement=_all_reduce_max(group))
+        # No degree agreement across ranks: with the same key every rank computes the same
+        # degree (the plan takes the max over all ranks itself), and an agreement here would be
+        # a collective that only the ranks planning now make.
+        plan = make_plan(key.mask(), key.cp_size, config)
         rank = dist.get_rank(group)
         logger.debug(
             "planned cp=%d: degree %d, imbalance %.4f, %d K/V rows received on rank %d",
@@ -101,7 +114,11 @@ class DistAttnRuntime:
     def _cached(self, name: str, device: torch.device, make):
         k = (name, device)
         if k not in self._device_cache:
-            self._device_cache[k] = make()
+            # Normal tensors even when first needed under torch.inference_mode(): inference
+            # tensors cached here would break every later call outside it (no version counter,
+            # not usable by autograd).
+            with torch.inference_mode(False):
+                self._device_cache[k] = make()
         return self._device_cache[k]
 
     def host_tensors(self, device: torch.device) -> StageTensors:
@@ -132,15 +149,44 @@ class DistAttnRuntime:
         return self._cached("unperm", device, make)
 
 
-def _all_reduce_max(group: dist.ProcessGroup):
-    """The overlap-degree agreement hook: a cross-rank MAX over ``group``."""
+# ----------------------------------------------------------------------------- the cache
 
-    def agree(degree: int) -> int:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-        )
-        t = torch.tensor([degree], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return int(t.item())
+_RUNTIMES: OrderedDict[DistAttnRuntimeKey, DistAttnRuntime] = OrderedDict()
 
-    return agree
+
+def _cache_size() -> int:
+    raw = os.environ.get(ENV_CACHE_SIZE, str(DEFAULT_CACHE_SIZE))
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f"{ENV_CACHE_SIZE}: expected a positive int, got {raw!r}")
+    return size
+
+
+def get_runtime(key: DistAttnRuntimeKey) -> DistAttnRuntime:
+    """The runtime of ``key`` on this rank, planned on first use.
+
+    Local: no collective, whatever the cache holds. The cache keeps the
+    ``MAGI_DIST_RUNTIME_CACHE_SIZE`` (default 64) most recently used runtimes.
+    """
+    if not isinstance(key, DistAttnRuntimeKey):
+        raise TypeError(f"key: expected a DistAttnRuntimeKey, got {type(key).__name__}")
+    size = _cache_size()
+    rt = _RUNTIMES.get(key)
+    if rt is not None:
+        _RUNTIMES.move_to_end(key)
+        return rt
+    if dist.get_rank(key.group) < 0:
+        raise ValueError("key: made for a process group this process is not a member of")
+    rt = DistAttnRuntime.build(key)
+    _RUNTIMES[key] = rt
+    while len(_RUNTIMES) > size:
+        _RUNTIMES.popitem(last=False)
+    return rt
+
+
+def clear_cache() -> None:
+    """Drop every cached runtime (on this rank; its peers need not do the same)."""
+    _RUNTIMES.clear()

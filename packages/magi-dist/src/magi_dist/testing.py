@@ -1,16 +1,24 @@
 """Check calc_attn against single-process flex_flash_attn_func (tests, CPU gloo and GPU NCCL).
 
 ``run_case`` runs on every rank of an initialised group; ``spawn_gloo`` starts a CPU group of
-``world`` processes (file store, no ports) and runs a list of cases in each.
+``world`` processes (file store, no ports) and runs a list of cases in each. ``run_ranks`` runs
+any function on every rank of a fresh CPU group under a hard timeout: a rank that hangs fails the
+test as a "hang" instead of blocking CI.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import importlib.util
+import inspect
 import os
+import pickle
+import sys
 import tempfile
+import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -194,18 +202,37 @@ def _worker(
         _shutdown(ok)
 
 
+def _join(context: mp.ProcessContext, timeout: float, what: str) -> None:
+    """Join spawned ranks; past ``timeout`` seconds kill them (these processes only) and fail
+    as a hang rather than block the caller (a rank's failure raises as in ``mp.spawn``)."""
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            hung = [r for r, p in enumerate(context.processes) if p.is_alive()]
+            for r in hung:
+                context.processes[r].kill()
+            for r in hung:
+                context.processes[r].join(10)
+            raise RankHangError(f"hang: {what}: ranks {hung} still running after {timeout:.0f} s (killed)")
+
+
 def spawn_gloo(
-    world: int, cases: list[Case], env: dict[str, str] | None = None, backend: str = "gloo"
+    world: int,
+    cases: list[Case],
+    env: dict[str, str] | None = None,
+    backend: str = "gloo",
+    timeout: float = 900.0,
 ) -> None:
     """Run ``cases`` on a fresh group of ``world`` processes (CPU gloo, or ``backend="nccl"`` with
-    one GPU per rank); raises if any rank fails."""
+    one GPU per rank); raises if any rank fails, `RankHangError` after ``timeout`` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
+        context = mp.spawn(
             _worker,
             args=(world, os.path.join(tmp, "store"), cases, env or {}, backend),
             nprocs=world,
-            join=True,
+            join=False,
         )
+        _join(context, timeout, f"cases {[c.name for c in cases]} on {world} ranks")
 
 
 def _expect(exc: type[Exception], match: str, fn, *args, **kwargs) -> None:
@@ -230,8 +257,8 @@ def check_bad_inputs(rank: int, world: int) -> None:
     _expect(ValueError, "calc_attn takes dispatched tensors", md.calc_attn, torch.randn(96, 4, 8), k, v, key)
     _expect(ValueError, "q: expected shape", md.calc_attn, torch.randn(n, 3, 8), k, v, key)
     _expect(ValueError, "k: expected shape", md.calc_attn, q, torch.randn(n, 2, 4), v, key)
-    _expect(TypeError, "dtypes differ", md.calc_attn, q, k, v.double(), key)
-    _expect(ValueError, "sink: expected", md.calc_attn, q, k, v, key, sink=torch.zeros(2, 3))
+    _expect(TypeError, "must share one dtype", md.calc_attn, q, k, v.double(), key)
+    _expect(ValueError, "sink with sink_layout='sh'", md.calc_attn, q, k, v, key, sink=torch.zeros(2, 3))
     _expect(ValueError, "softcap", md.calc_attn, q, k, v, key, softcap=-1.0)
     _expect(TypeError, "key: expected a DistAttnRuntimeKey", md.calc_attn, q, k, v, "key")
     _expect(ValueError, "x: expected the global token axis", md.dispatch, torch.randn(95, 4), key)
@@ -265,7 +292,139 @@ def _fn_worker(rank: int, world: int, store_path: str, fn_name: str) -> None:
         _shutdown(ok)
 
 
-def spawn_gloo_fn(world: int, fn_name: str) -> None:
-    """Run ``magi_dist.testing.<fn_name>(rank, world)`` on a fresh CPU gloo group."""
+def spawn_gloo_fn(world: int, fn_name: str, timeout: float = 300.0) -> None:
+    """Run ``magi_dist.testing.<fn_name>(rank, world)`` on a fresh CPU gloo group (hard
+    ``timeout`` as in `spawn_gloo`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_fn_worker, args=(world, os.path.join(tmp, "store"), fn_name), nprocs=world, join=True)
+        context = mp.spawn(
+            _fn_worker, args=(world, os.path.join(tmp, "store"), fn_name), nprocs=world, join=False
+        )
+        _join(context, timeout, f"{fn_name} on {world} ranks")
+
+
+# ----------------------------------------------------------------------------- run_ranks
+
+
+class RankHangError(AssertionError):
+    """Some ranks of a `run_ranks` group were still running at the hard timeout (killed)."""
+
+
+def _load_function(path: str, qualname: str) -> Callable:
+    # Load the caller's file by path: test modules (pytest's importlib mode) are not importable
+    # by name in a fresh process, and pickling the function by reference would need that.
+    spec = importlib.util.spec_from_file_location(f"_magi_dist_rank_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    store_path: str,
+    fn_path: str,
+    fn_qualname: str,
+    args: tuple,
+    env: dict[str, str],
+    result_path: str,
+    hang_dump_s: float,
+    pg_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    faulthandler.enable()
+    # A rank that hangs prints its Python stack before the parent kills it.
+    faulthandler.dump_traceback_later(hang_dump_s, exit=False)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        value = _load_function(fn_path, fn_qualname)(rank, world, *args)
+    except BaseException:
+        with open(result_path, "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        sys.stderr.flush()
+        # No teardown: peers may sit in a collective this rank will never join.
+        os._exit(1)
+    with open(result_path, "wb") as f:
+        pickle.dump(("ok", value), f)
+    faulthandler.cancel_dump_traceback_later()
+    _shutdown(True)
+
+
+def run_ranks(
+    world: int,
+    fn: Callable,
+    *args,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float = 300.0,
+) -> list:
+    """Run ``fn(rank, world, *args)`` on every rank of a fresh CPU gloo group of ``world``
+    processes and return the ranks' return values (in rank order).
+
+    ``fn`` is a module-level function of any file (loaded by path in each rank); ``args`` and
+    the return values must pickle. Fails with `RankHangError` (message starting "hang") when a
+    rank is still running after ``timeout`` seconds (its Python stack is printed, then it is
+    killed), and with ``AssertionError`` when a rank raised (every failing rank's traceback)
+    or died (e.g. SIGABRT). ``pg_timeout`` is the process group's own timeout, longer than
+    ``timeout`` so that a hang is reported as one.
+    """
+    fn_path, fn_qualname = inspect.getsourcefile(fn), fn.__qualname__
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [os.path.join(tmp, f"result{r}.pkl") for r in range(world)]
+        store = os.path.join(tmp, "store")
+        hang_dump_s = max(1.0, timeout - 5.0)
+        procs = []
+        for r in range(world):
+            rank_args = (r, world, store, fn_path, fn_qualname, args, env or {}, results[r])
+            procs.append(ctx.Process(target=_rank_main, args=(*rank_args, hang_dump_s, pg_timeout)))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:  # only the processes started here, by their own handles
+            procs[r].kill()
+        for r in hung:
+            procs[r].join(10)
+        outcomes = []
+        for r in range(world):
+            if os.path.exists(results[r]):
+                with open(results[r], "rb") as f:
+                    outcomes.append(pickle.load(f))
+            else:
+                outcomes.append(("died", procs[r].exitcode))
+    name = f"{fn_qualname} on {world} ranks"
+    done = {r: o for r, o in enumerate(outcomes) if r not in hung}
+    if hung:
+        raise RankHangError(
+            f"hang: {name}: ranks {hung} still running after {timeout:.0f} s (killed); "
+            f"the others: {_describe(done)}"
+        )
+    failed = {r: o for r, o in done.items() if o[0] != "ok"}
+    if failed:
+        raise AssertionError(f"{name}: {_describe(failed)}")
+    return [o[1] for o in outcomes]
+
+
+def _describe(outcomes: dict[int, tuple]) -> str:
+    parts = []
+    for r, (kind, detail) in outcomes.items():
+        if kind == "ok":
+            parts.append(f"rank {r} returned")
+        elif kind == "died":
+            parts.append(f"rank {r} died with exit code {detail} (negative: killed by that signal)")
+        else:
+            parts.append(f"rank {r} raised:\n{detail}")
+    return "; ".join(parts) if parts else "none"
