@@ -1,0 +1,137 @@
+"""The cost of the reliability checks (docs/reliability.md), on the CPU.
+
+1. ffa_kernels' validation per call (``validate_attn_args``, what flex_flash_attn_func and each
+   stage of calc_attn run) with 1k and 100k slices: the first call with new range tensors, and a
+   repeated call with the same (host) tensors, which compares their bytes with the checked ones;
+   ``validate_attn_inputs`` (calc_attn's argument check).
+2. magi_dist's per-call overhead for a key already used (argument checks, key check, runtime
+   lookup) and the cross-rank key check of a new key object (``check_key``: fingerprint and one
+   all-gather) on CPU gloo groups of 2 and 4 ranks, with 3, 1k and 100k slices.
+
+Usage: python packages/magi-dist/tools/bench_checks.py [--worlds 2 4] [--slices 1000 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _median_us(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def _ranges(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` one-row slices over ``n`` tokens (q and k the same), causal."""
+    qr = torch.stack([torch.arange(n), torch.arange(n) + 1], 1).to(torch.int32)
+    return qr, qr.clone(), torch.ones(n, dtype=torch.int32)
+
+
+def bench_validation(slices: list[int]) -> None:
+    from ffa_kernels import validate_attn_inputs
+    from ffa_kernels._validate import _CHECKED_RANGES, validate_attn_args
+
+    print("ffa_kernels validation per call (CPU tensors; median us)")
+    print(f"{'slices':>8} | {'first call':>11} | {'same tensors':>12} | {'validate_attn_inputs':>20}")
+    for n in slices:
+        q, k, v = torch.randn(n, 8, 128), torch.randn(n, 8, 128), torch.randn(n, 8, 128)
+        qr, kr, tm = _ranges(n)
+        reps = 20 if n <= 10_000 else 5
+
+        def first(qr=qr, kr=kr, tm=tm, q=q, k=k, v=v):
+            _CHECKED_RANGES.clear()
+            validate_attn_args(q, k, v, qr, kr, tm, None, 0.0)
+
+        def again(qr=qr, kr=kr, tm=tm, q=q, k=k, v=v):
+            validate_attn_args(q, k, v, qr, kr, tm, None, 0.0)
+
+        def inputs(q=q, k=k, v=v):
+            validate_attn_inputs(q, k, v, softcap=0.0)
+
+        print(
+            f"{n:>8} | {_median_us(first, reps):>11.1f} | {_median_us(again, reps * 10):>12.1f} | "
+            f"{_median_us(inputs, 200):>20.1f}"
+        )
+
+
+def _flex_key(n: int, group=None):
+    import magi_dist as md
+    from magi_solver import DispatchConfig, DistAttnConfig
+
+    ranges = [(i, i + 1) for i in range(n)]
+    config = DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=max(16, n // 64)))
+    return md.magi_attn_flex_key(ranges, ranges, "causal", n, n, 8, 8, 64, group, dist_attn_config=config)
+
+
+def key_checks(rank: int, world: int, slices: list[int]) -> list[tuple[int, float, float, float]]:
+    """On every rank: (slices, fingerprint us, check_key us of a new key, per-call overhead us)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import magi_dist as md
+    from ffa_kernels import validate_attn_inputs
+    from magi_dist.fingerprint import check_key, key_fingerprint
+    from magi_dist.runtime import get_runtime
+
+    rows = []
+    for n in slices:
+        key = _flex_key(n)
+        reps = 10 if n <= 10_000 else 3
+        fp = _median_us(lambda key=key: key_fingerprint(key), reps)
+        times = []
+        for _ in range(reps):
+            fresh = dataclasses.replace(key)  # a new key object: not checked yet
+            dist.barrier()
+            t = time.perf_counter()
+            check_key(fresh)
+            times.append(time.perf_counter() - t)
+        rt = get_runtime(key)
+        q = torch.randn(rt.shard_seqlen, 8, 64)
+
+        def per_call(key=key, q=q):  # calc_attn's checks before its first data collective
+            validate_attn_inputs(q, q, q)
+            check_key(key)
+            get_runtime(key)
+
+        check_key(key)
+        rows.append((n, fp, statistics.median(times) * 1e6, _median_us(per_call, 200)))
+        md.clear_cache()
+    return rows
+
+
+def bench_key_checks(worlds: list[int], slices: list[int]) -> None:
+    from magi_dist.testing import run_ranks
+
+    print("\nmagi_dist key check on CPU gloo (median us; rank 0)")
+    print(
+        f"{'ranks':>5} | {'slices':>8} | {'fingerprint':>11} | {'check_key (new key)':>19} | {'per call (known key)':>20}"
+    )
+    for world in worlds:
+        for n, fp, check, per_call in run_ranks(world, key_checks, [3, *slices], timeout=600)[0]:
+            print(f"{world:>5} | {n:>8} | {fp:>11.1f} | {check:>19.1f} | {per_call:>20.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--slices", type=int, nargs="+", default=[1000, 100_000])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    bench_validation(args.slices)
+    bench_key_checks(args.worlds, args.slices)
+
+
+if __name__ == "__main__":
+    main()
