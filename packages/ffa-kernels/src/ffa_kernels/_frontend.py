@@ -133,6 +133,45 @@ def _forward_whole(
     return out_acc, lse_acc, max_acc
 
 
+def _backward_kernel(args: ValidatedAttnArgs, deterministic: bool):
+    """The CuTe module when its backward serves this call, else None."""
+    if _backend.select_backward_backend(args.q.device, args.q.dtype) != _backend.CUTE:
+        return None
+    if deterministic:
+        # The kernel adds dQ (and GQA's dK/dV) from several CTAs in arrival order; until its
+        # ordered mode exists, a deterministic backward runs on the reference.
+        _backend.log_once(
+            "cute-deterministic",
+            "ffa_kernels: deterministic=True: the CuTe backward is not bitwise reproducible yet; "
+            "the backward runs on the reference backend",
+        )
+        return None
+    return _backend.load_cute()
+
+
+def _backward_whole(
+    args: ValidatedAttnArgs, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one whole attention call, in the dtypes of q, k, v."""
+    q, k, v = args.q, args.k, args.v
+    cute = _backward_kernel(args, deterministic)
+    if cute is not None:
+        try:
+            # the gradients straight in the input dtype (no float32 dk/dv, no casts)
+            return cute.cute_backward(
+                q, k, v, dout, out, lse, args.q_ranges, args.k_ranges, args.attn_type_map,
+                softmax_scale=args.softmax_scale, softcap=args.softcap,
+            )  # fmt: skip
+        except NotImplementedError as exc:
+            _kernel_declined(exc)
+    dtype = args.compute_dtype
+    dq_acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk_acc = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
 def _backward_stage(
     args: ValidatedAttnArgs,
     dout: torch.Tensor,
@@ -143,18 +182,8 @@ def _backward_stage(
     dv_acc: torch.Tensor,
     deterministic: bool = False,
 ) -> None:
-    kernel = _backend.select_backward_backend(args.q.device, args.q.dtype) == _backend.CUTE
-    if kernel and deterministic:
-        # The kernel adds dQ (and GQA's dK/dV) from several CTAs in arrival order; until its
-        # ordered mode exists, a deterministic backward runs on the reference.
-        _backend.log_once(
-            "cute-deterministic",
-            "ffa_kernels: deterministic=True: the CuTe backward is not bitwise reproducible yet; "
-            "the backward runs on the reference backend",
-        )
-        kernel = False
-    if kernel:
-        cute = _backend.load_cute()
+    cute = _backward_kernel(args, deterministic)
+    if cute is not None:
         try:
             cute.cute_backward_stage(
                 args.q,
@@ -405,12 +434,7 @@ class _FlexFlashAttn(torch.autograd.Function):
         args = dataclasses.replace(ctx.args, q=q, k=k, v=v)
         dq = dk = dv = dsink = None
         if any(ctx.needs_input_grad[:3]):
-            dtype = args.compute_dtype
-            dq_acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
-            dk_acc = torch.zeros(k.shape, dtype=dtype, device=k.device)
-            dv_acc = torch.zeros(v.shape, dtype=dtype, device=v.device)
-            _backward_stage(args, dout, out_acc, lse_acc, dq_acc, dk_acc, dv_acc, ctx.deterministic)
-            dq, dk, dv = dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+            dq, dk, dv = _backward_whole(args, dout, out_acc, lse_acc, ctx.deterministic)
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out_acc, dout, lse_acc)
         return dq, dk, dv, dsink, None, None, None, None
