@@ -164,7 +164,7 @@ def run_bwd_whole_case(
 
 def run_bwd_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
-    acc_layout="separate",
+    acc_layout="separate", config=None,
 ):  # fmt: skip
     from ffa_kernels.cute import cute_backward_stage
 
@@ -192,7 +192,9 @@ def run_bwd_case(
         assert dk.data_ptr() % 8 == 4 and dq.data_ptr() % 16 != 0
     else:
         dk, dv = dk0.clone(), dv0.clone()
-    cute_backward_stage(q, k, v, dout, out, lse, *ranges, dq, dk, dv, softmax_scale=scale, softcap=softcap)
+    cute_backward_stage(
+        q, k, v, dout, out, lse, *ranges, dq, dk, dv, softmax_scale=scale, softcap=softcap, config=config
+    )
     torch.cuda.synchronize()
     ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
     lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
@@ -215,6 +217,20 @@ def test_bwd_full_and_causal(d, dtype):
     run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, d=d, dtype=dtype)
     run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=d, dtype=dtype)
     run_bwd_case([[0, 900]], [[0, 300]], [1], 900, 300, d=d, dtype=dtype)
+
+
+@requires_sm90
+def test_bwd_128_row_blocks_d64():
+    """The 128-row q block configuration (dQ split over the warpgroups by rows) at D 64."""
+    from ffa_kernels.cute.config import BwdConfig
+
+    cfg = BwdConfig(head_dim=64, tile_m=128)
+    qr, kr, ty, t = varlen_slices([1, 77, 300, 129, 513], 1)
+    run_bwd_case(qr, kr, ty, t, t, d=64, config=cfg)
+    run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=64, dtype=torch.float16, hq=8, hk=2, config=cfg)
+    rng = random.Random(7)
+    qr, kr, ty = random_slices(rng, 900, 1100, 5)
+    run_bwd_case(qr, kr, ty, 900, 1100, d=64, config=cfg)
 
 
 @requires_sm90

@@ -256,10 +256,19 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
     from ffa_kernels.cute.config import default_bwd_config
 
     for d, dt, softcap, store in BWD_VARIANTS:
-        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d), softcap, store))
-        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d), softcap, store)
+        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d, softcap), softcap, store))
+        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d, softcap), softcap, store)
         assert launcher.packed_matches_dsl(fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(dt))
-    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS)
+    # 128-row q blocks at D 64 (the dQ GEMM split by rows)
+    from ffa_kernels.cute.config import BwdConfig
+
+    cfg = BwdConfig(head_dim=64, tile_m=128)
+    compile_cache.forget(bwd_launch.bwd_compile_key(torch.bfloat16, cfg, False, False))
+    fn = bwd_launch.get_bwd_kernel(torch.bfloat16, cfg, False, False)
+    assert launcher.packed_matches_dsl(
+        fn, bwd_launch.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
+    )
+    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 1
 
 
 def test_source_hash_covers_every_kernel_module():

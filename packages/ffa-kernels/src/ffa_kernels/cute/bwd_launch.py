@@ -274,7 +274,7 @@ def cute_backward_stage(
     for name, t in (("dq_acc", dq_acc), ("dk_acc", dk_acc), ("dv_acc", dv_acc)):
         if t.dtype != torch.float32:
             raise NotImplementedError(f"{name}: the sm90 backward adds into float32, got {t.dtype}")
-    cfg = config or default_bwd_config(d)
+    cfg = config or default_bwd_config(d, softcap > 0.0)
     total_q = q.shape[0]
     total_k, hk, _ = k.shape
     if total_q == 0 or total_k == 0:
@@ -329,7 +329,7 @@ def cute_backward(
     softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
-    cfg = config or default_bwd_config(d)
+    cfg = config or default_bwd_config(d, softcap > 0.0)
     dev = q.device
     plan, split = (
         (None, 1)

@@ -64,6 +64,11 @@ class FFABackwardSm90:
         self.has_softcap = has_softcap
         self.dkv_store = dkv_store
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        # dQ = dS K: with 64-row q blocks each consumer warpgroup computes 64 rows x D / num_wg
+        # columns; with 64 * num_wg-row blocks (D 64), 64 rows x all D columns. Either way one
+        # warpgroup's dQ is a (64, dq_cols) wgmma tile, its own float32 tile in shared memory.
+        self.dq_split_rows = cfg.tile_m > 64
+        self.dq_cols = cfg.head_dim if self.dq_split_rows else cfg.head_dim // cfg.num_mma_wg
 
     # ------------------------------------------------------------------ host side (traced)
     @cute.jit
@@ -128,20 +133,19 @@ class FFABackwardSm90:
         tiled_mma_dkv = tiled_wgmma(
             self.dtype, (cfg.num_mma_wg, 1, 1), (64, D), b_transposed=True, a_in_registers=True
         )
-        # dQ = dS K: M = the block's q rows, each warpgroup one half of the head dim
-        tiled_mma_dq = tiled_wgmma(
-            self.dtype, (1, cfg.num_mma_wg, 1), (64, D // cfg.num_mma_wg), b_transposed=True
-        )
+        # dQ = dS K: M = the block's q rows, split over the warpgroups by rows or by columns
+        dq_cols = self.dq_cols
+        dq_atoms = (cfg.num_mma_wg, 1, 1) if self.dq_split_rows else (1, cfg.num_mma_wg, 1)
+        tiled_mma_dq = tiled_wgmma(self.dtype, dq_atoms, (64, dq_cols), b_transposed=True)
         sQ_layout = smem_layout(self.dtype, self.tile_m, D, cfg.num_stages)
-        # K is read MN-major by the dQ GEMM in head-dim slices of D / num_mma_wg columns
-        sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=D // cfg.num_mma_wg)
+        # K is read MN-major by the dQ GEMM in head-dim slices of dq_cols columns
+        sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=dq_cols)
         sV_layout = smem_layout(self.dtype, self.tile_n, D, None)
         sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        # dQ in float32: (tile_m, D), each warpgroup's D / num_mma_wg columns one contiguous tile
-        # (atoms down the rows first) that one TMA reduce-add adds to dq_acc
-        dq_cols = D // cfg.num_mma_wg
-        sdQ_layout = smem_layout(Float32, self.tile_m, D, None, atom_cols=32)
-        sdQ_wg_layout = smem_layout(Float32, self.tile_m, dq_cols, None, atom_cols=32)
+        # dQ in float32: one contiguous (64, dq_cols) tile per warpgroup, which one TMA
+        # reduce-add adds to dq_acc
+        sdQ_wg_layout = smem_layout(Float32, 64, dq_cols, None, atom_cols=32)
+        sdQ_layout = smem_layout(Float32, 64, dq_cols, cfg.num_mma_wg, atom_cols=32)
 
         op = cpasync.CopyBulkTensorTileG2SOp()
         row_tile = cute.select(sQ_layout, mode=[0, 1])
@@ -151,7 +155,7 @@ class FFABackwardSm90:
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(op, mVt, sV_layout, (self.tile_n, D), 1)
         mdQt = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (self.tile_m, dq_cols)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (64, dq_cols)
         )
         elem_bytes = self.dtype.width // 8
         self.bytes_q = self.tile_m * D * elem_bytes
@@ -341,7 +345,12 @@ class FFABackwardSm90:
 
         tScS = score_coords(thr_sdp, self.tile_n, self.tile_m)
         t0ScS = score_coords(tiled_mma_sdp.get_slice(0), self.tile_n, self.tile_m)
-        tdQsdQ = tiled_mma_dq.get_slice(ctid).partition_C(sdQ)
+        # this warpgroup's (64, dq_cols) dQ tile: the C layout of one warpgroup's wgmma
+        tdQsdQ = (
+            tiled_wgmma(self.dtype, (1, 1, 1), (64, self.dq_cols), b_transposed=True)
+            .get_slice(ctid % 128)
+            .partition_C(sdQ[None, None, wg_idx])
+        )
 
         kv_state = make_pipeline_state(PipelineUserType.Consumer, 1)
         q_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
@@ -464,14 +473,14 @@ class FFABackwardSm90:
     @cute.jit
     def dq_writer(self, tma_dq, tma_atom_dq, sdQ, mEnt, e0, e1, head0, heads_per_cta):
         """The dQ writer warp: for every block (in the consumers' order) and consumer warpgroup,
-        dq_acc[qb + r, head, the warpgroup's columns] += its shared-memory tile, by one TMA
+        dq_acc[the warpgroup's rows and columns of the block, head] += its shared-memory tile, by one TMA
         reduce-add (rows past Tq are clipped by the TMA unit; rows the entry does not cover hold
         dS = 0, so they add +0). Each tile is freed (DQEmpty) once the previous reduce-add that
         read it has finished reading, then awaited (DQFull): one arrive and one wait per block, so
         no barrier is left pending at exit."""
         cfg = self.cfg
         threads = 128 + cute.arch.WARP_SIZE
-        dq_cols = self.hdim // cfg.num_mma_wg
+        dq_cols = self.dq_cols
         for hh in cutlass.range(heads_per_cta, unroll=1):
             gdQ_head = tma_dq[None, None, head0 + hh]
             for e in cutlass.range(e0, e1, unroll=1):
@@ -487,9 +496,11 @@ class FFABackwardSm90:
                         cute.arch.barrier(
                             barrier_id=int(NamedBarrier.DQFullWG1) + wg, number_of_threads=threads
                         )
-                        sdQ_wg = cute.local_tile(sdQ, (self.tile_m, dq_cols), (0, wg))
+                        sdQ_wg = sdQ[None, None, wg]
                         gdQ = cute.local_tile(
-                            cute.domain_offset((qb, 0), gdQ_head), (self.tile_m, dq_cols), (0, wg)
+                            cute.domain_offset((qb, 0), gdQ_head),
+                            (64, dq_cols),
+                            (wg, 0) if self.dq_split_rows else (0, wg),
                         )
                         s_part, g_part = cpasync.tma_partition(
                             tma_atom_dq,
