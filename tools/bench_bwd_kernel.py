@@ -3,10 +3,11 @@ kernel with parts switched off (no dQ reductions, no per-block statistics loads)
 compute wrong gradients on purpose; they only bound the time of the part they remove.
 
     python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,no_dq]
-                                     [--whole 0,1,2,4,8]
+                                     [--whole 0,1,2,4,8] [--deterministic]
 
 ``--whole``: also time `cute_backward` (one whole backward, gradients in the input dtype) with
-that many q heads per CTA (0: the default choice).
+that many q heads per CTA (0: the default choice); ``--deterministic``: each of those also with
+``deterministic=True`` (ordered dQ and dK/dV adds).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base,no_dq")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--whole", default="")
+    ap.add_argument("--deterministic", action="store_true")
     args = ap.parse_args()
     from ffa_kernels.cute import cute_backward, cute_backward_stage, cute_forward
 
@@ -66,16 +68,19 @@ def main() -> None:
             tf = 10 * case.area * case.hq * case.d / t / 1e12
             print(f"{case.name:30s} {name:10s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
         _variant("base")
-        for hpc in [int(x) for x in args.whole.split(",") if x]:
-            if (case.hq // case.hk) % max(hpc, 1):
-                continue
+        for det in (False, True) if args.deterministic else (False,):
+            for hpc in [int(x) for x in args.whole.split(",") if x]:
+                if (case.hq // case.hk) % max(hpc, 1):
+                    continue
 
-            def whole(hpc=hpc, call=call):
-                cute_backward(*call[:9], softmax_scale=None, softcap=0.0, heads_per_cta=hpc or None)
+                def whole(hpc=hpc, det=det, call=call):
+                    cute_backward(*call[:9], softmax_scale=None, softcap=0.0, heads_per_cta=hpc or None,
+                                  deterministic=det)  # fmt: skip
 
-            t = bench(whole, args.iters)
-            tf = 10 * case.area * case.hq * case.d / t / 1e12
-            print(f"{case.name:30s} whole h{hpc:<3d} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
+                t = bench(whole, args.iters)
+                tf = 10 * case.area * case.hq * case.d / t / 1e12
+                label = f"whole{' det' if det else ''} h{hpc}"
+                print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

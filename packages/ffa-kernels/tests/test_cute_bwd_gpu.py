@@ -138,10 +138,11 @@ def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed):
 
 def run_bwd_whole_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
-    heads_per_cta=None,
+    heads_per_cta=None, deterministic=False,
 ):  # fmt: skip
     """`cute_backward` (gradients in the input dtype; dK/dV stored by the kernel when one CTA
-    walks the whole GQA group) against the oracle; rows / keys nothing covers are exactly 0."""
+    walks the whole GQA group) against the oracle; rows / keys nothing covers are exactly 0;
+    ``deterministic``: bitwise equal over 3 runs."""
     from ffa_kernels.cute import cute_backward
 
     _, q, k, v, dout, out, lse, mask, ranges = _inputs(
@@ -150,7 +151,7 @@ def run_bwd_whole_case(
     scale = d**-0.5
     poison_allocator(8 * max(tq, tk) * hq * d * 4)
     grads = cute_backward(q, k, v, dout, out, lse, *ranges, softmax_scale=scale, softcap=softcap,
-                          heads_per_cta=heads_per_cta)  # fmt: skip
+                          heads_per_cta=heads_per_cta, deterministic=deterministic)  # fmt: skip
     torch.cuda.synchronize()
     ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
     lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
@@ -160,6 +161,12 @@ def run_bwd_whole_case(
     q_cov, k_cov = mask.any(dim=1), mask.any(dim=0)
     assert not grads[0][~q_cov].any(), "dq rows nothing covers are not 0"
     assert not grads[1][~k_cov].any() and not grads[2][~k_cov].any(), "dk/dv keys nothing covers are not 0"
+    if deterministic:  # bitwise the same on two more runs
+        for _ in range(2):
+            again = cute_backward(q, k, v, dout, out, lse, *ranges, softmax_scale=scale, softcap=softcap,
+                                  heads_per_cta=heads_per_cta, deterministic=True)  # fmt: skip
+            for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+                assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
 
 def run_bwd_case(
@@ -308,6 +315,22 @@ def test_bwd_whole_call(hq, hk, heads_per_cta):
 
 
 @requires_sm90
+@pytest.mark.parametrize("heads_per_cta", [None, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_bwd_deterministic_kernel(seed, heads_per_cta):
+    """deterministic=True runs the kernel with ordered dQ adds (and, with a GQA group split
+    over CTAs, ordered dK/dV adds: 4 addends per key, where the order changes the sum):
+    correct, and bitwise equal over 3 runs (random slices that share q rows and key tiles)."""
+    rng = random.Random(300 + seed)
+    tq, tk = rng.randrange(64, 1500), rng.randrange(64, 1500)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    run_bwd_whole_case(qr, kr, ty, tq, tk, hq=8, hk=2, d=rng.choice([64, 128]), seed=seed,
+                       heads_per_cta=heads_per_cta, deterministic=True)  # fmt: skip
+    qr, kr, ty, t = varlen_slices([1, 300, 129, 2000], 1)
+    run_bwd_whole_case(qr, kr, ty, t, t, hq=4, hk=4, deterministic=True)
+
+
+@requires_sm90
 @pytest.mark.parametrize("seed", range(4))
 def test_bwd_whole_call_random(seed):
     rng = random.Random(100 + seed)
@@ -416,8 +439,8 @@ def test_flex_flash_attn_autograd_uses_kernel(monkeypatch, sink_layout):
 
 @requires_sm90
 def test_deterministic_backward_is_bitwise_reproducible():
-    """deterministic=True: dq, dk, dv bitwise equal over 3 runs (GQA, so the kernel would add
-    dK/dV from several CTAs)."""
+    """deterministic=True through flex_flash_attn_func: dq, dk, dv bitwise equal over 3 runs
+    (GQA: the kernel sums a group's dK/dV in one CTA and orders the dQ adds)."""
     from ffa_kernels import flex_flash_attn_func
 
     qr, kr, ty, t = varlen_slices([700, 900], 1)

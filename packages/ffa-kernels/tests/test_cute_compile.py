@@ -60,6 +60,75 @@ def random_slices(rng, tq, tk, n):
     return testing.grid_slices(rng, tq, tk, n, density=0.35)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_deterministic_bwd_plan_is_aligned_and_ranked(seed):
+    """The deterministic backward plan: still every cell once, q blocks on the tile grid, and
+    the visit ranks equal a brute-force count of earlier visits (in CTA order) to each block."""
+    from ffa_kernels.cute.plan import build_bwd_plan_cpu, visit_ranks
+
+    tile_n, tile_m = 128, 64  # key tile, q block
+    rng = random.Random(500 + seed)
+    tq, tk = rng.randrange(1, 900), rng.randrange(1, 900)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    ranges = (torch.tensor(qr, dtype=torch.int32), torch.tensor(kr, dtype=torch.int32), torch.tensor(ty))
+    work, ent, _ = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m, aligned=True)
+    cov = simulate_plan(work, ent, tk, tq, tile_n, tile_m, every_tile=False).T
+    assert torch.equal(cov, dense_mask(qr, kr, ty, tq, tk))
+    assert bool((ent[: int(work[:, 2].max()) if work.shape[0] else 0, 0] % tile_m == 0).all())
+    ranks = visit_ranks(work, ent, tile_m).tolist()
+    n_work = work.shape[0]
+    seen: dict[int, int] = {}
+    v = 0
+    for w, (_, e0, e1, _) in enumerate(work.tolist()):
+        assert ranks[w] == n_work + v
+        for e in range(e0, e1):
+            q_lo, nblk = ent[e, 0].item(), ent[e, 1].item()
+            for j in range(nblk):
+                block = q_lo // tile_m + j
+                assert ranks[n_work + v] == seen.get(block, 0), (w, e, j)
+                seen[block] = seen.get(block, 0) + 1
+                v += 1
+    assert v == len(ranks) - n_work
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mask", ["varlen_causal", "sliding_window"])
+def test_deterministic_order_never_waits_in_lockstep(seed, mask):
+    """On causal documents and sliding windows, the deterministic plan's order lets every CTA
+    add to a q block after all earlier CTAs (its rank) did, if all walk in lockstep: along the
+    CTA order, the steps at which the visits to one q block happen strictly increase."""
+    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+
+    tile_n, tile_m = 128, 64
+    rng = random.Random(700 + seed)
+    if mask == "varlen_causal":
+        cuts = sorted(rng.sample(range(1, 40), rng.randrange(1, 6)))
+        bounds = [0, *(c * tile_n for c in cuts), 40 * tile_n]
+        qr = [[a, b] for a, b in zip(bounds[:-1], bounds[1:])]
+        ty = [1] * len(qr)
+    else:
+        n, w = 40 * tile_n, rng.randrange(1, 6) * tile_n
+        # slice per key tile row band: q rows [i, i+tile_n) see keys [i - w, i + tile_n), causal
+        qr = [[i, i + tile_n] for i in range(0, n, tile_n)]
+        ty = [1] * len(qr)
+    kr = [[max(0, a - (0 if mask == "varlen_causal" else w)), b] for a, b in qr]
+    if mask == "varlen_causal":
+        kr = [list(r) for r in qr]
+    t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    total = qr[-1][1]
+    work, ent, _ = build_bwd_plan_cpu(t(qr), t(kr), t(ty), total, tile_n, tile_m, aligned=True)
+    last_step: dict[int, int] = {}
+    for _, e0, e1, _ in work.tolist():
+        step = 0
+        for e in range(e0, e1):
+            q_lo, nblk = ent[e, 0].item(), ent[e, 1].item()
+            for j in range(nblk):
+                block = q_lo // tile_m + j
+                assert last_step.get(block, -1) < step, (block, step)
+                last_step[block] = step
+                step += 1
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 64)])
 @pytest.mark.parametrize("backward", [False, True])
@@ -259,6 +328,14 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
         compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d, softcap), softcap, store))
         fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d, softcap), softcap, store)
         assert launcher.packed_matches_dsl(fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(dt))
+    # the deterministic mode (ordered dQ reduce-adds; dK/dV stored, or added in head order)
+    for d, store in ((64, True), (64, False), (128, True), (128, False)):
+        cfg = default_bwd_config(d)
+        compile_cache.forget(bwd_launch.bwd_compile_key(torch.bfloat16, cfg, False, store, True))
+        fn = bwd_launch.get_bwd_kernel(torch.bfloat16, cfg, False, store, True)
+        assert launcher.packed_matches_dsl(
+            fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(torch.bfloat16)
+        )
     # 128-row q blocks at D 64 (the dQ GEMM split by rows)
     from ffa_kernels.cute.config import BwdConfig
 
@@ -268,7 +345,7 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
     assert launcher.packed_matches_dsl(
         fn, bwd_launch.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
     )
-    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 1
+    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 5
 
 
 def test_source_hash_covers_every_kernel_module():

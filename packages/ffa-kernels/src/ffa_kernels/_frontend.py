@@ -133,18 +133,9 @@ def _forward_whole(
     return out_acc, lse_acc, max_acc
 
 
-def _backward_kernel(args: ValidatedAttnArgs, deterministic: bool):
+def _backward_kernel(args: ValidatedAttnArgs):
     """The CuTe module when its backward serves this call, else None."""
     if _backend.select_backward_backend(args.q.device, args.q.dtype) != _backend.CUTE:
-        return None
-    if deterministic:
-        # The kernel adds dQ (and GQA's dK/dV) from several CTAs in arrival order; until its
-        # ordered mode exists, a deterministic backward runs on the reference.
-        _backend.log_once(
-            "cute-deterministic",
-            "ffa_kernels: deterministic=True: the CuTe backward is not bitwise reproducible yet; "
-            "the backward runs on the reference backend",
-        )
         return None
     return _backend.load_cute()
 
@@ -154,13 +145,13 @@ def _backward_whole(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one whole attention call, in the dtypes of q, k, v."""
     q, k, v = args.q, args.k, args.v
-    cute = _backward_kernel(args, deterministic)
+    cute = _backward_kernel(args)
     if cute is not None:
         try:
             # the gradients straight in the input dtype (no float32 dk/dv, no casts)
             return cute.cute_backward(
                 q, k, v, dout, out, lse, args.q_ranges, args.k_ranges, args.attn_type_map,
-                softmax_scale=args.softmax_scale, softcap=args.softcap,
+                softmax_scale=args.softmax_scale, softcap=args.softcap, deterministic=deterministic,
             )  # fmt: skip
         except NotImplementedError as exc:
             _kernel_declined(exc)
@@ -182,7 +173,7 @@ def _backward_stage(
     dv_acc: torch.Tensor,
     deterministic: bool = False,
 ) -> None:
-    cute = _backward_kernel(args, deterministic)
+    cute = _backward_kernel(args)
     if cute is not None:
         try:
             cute.cute_backward_stage(
@@ -200,6 +191,7 @@ def _backward_stage(
                 dv_acc,
                 softmax_scale=args.softmax_scale,
                 softcap=args.softcap,
+                deterministic=deterministic,
             )
             return
         except NotImplementedError as exc:
@@ -470,8 +462,8 @@ def flex_flash_attn_func(
         softmax_scale: None means ``D ** -0.5``.
         softcap: when > 0 the logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
         deterministic: bitwise reproducible gradients. The reference backend always is; the
-            CuTe backward is not yet (it adds partial dQ from several CTAs in arrival order),
-            so with True the backward runs on the reference (logged once).
+            CuTe backward then adds the partial dQ of each q block in a fixed order
+            (semaphores) and sums a GQA group's dK/dV in one CTA.
         return_max_logits: also return ``meta.max_logits``.
 
     Returns:

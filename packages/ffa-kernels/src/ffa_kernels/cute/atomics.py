@@ -1,10 +1,11 @@
-"""Global-memory writes of the backward's partial gradients, two elements at a time (device side):
-float32 reductions, or 16-bit stores where one CTA owns the rows."""
+"""Global-memory operations of the backward (device side): its partial gradients written two
+elements at a time (float32 reductions, or 16-bit stores where one CTA owns the rows), and the
+acquire / release pair of its deterministic mode's semaphores."""
 
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -43,6 +44,38 @@ def store_pair_16bit(ptr: cute.Pointer, a: Float32, b: Float32, is_bf16: bool, *
         ],
         f"{{ .reg .b32 t; cvt.rn.{cvt}.f32 t, $2, $1; st.global.b32 [$0], t; }}",
         "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def load_acquire_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """``ptr[0]`` read with acquire semantics at GPU scope (``ld.acquire.gpu``): what another
+    CTA wrote before its matching release is visible after this load."""
+    return Int32(
+        llvm.inline_asm(
+            Int32.mlir_type,
+            [ptr.toint(loc=loc, ip=ip).ir_value()],
+            "ld.acquire.gpu.global.s32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def add_release_i32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """``ptr[0] += value`` with release semantics at GPU scope (``red.release.gpu``): everything
+    this thread made visible before it is visible to a CTA that acquires the new value."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

@@ -21,40 +21,50 @@ def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
 
     Order: pointers q, k, v, dout ("in"), lse2, delta, dq_acc (f32; dq_acc is a TMA target,
     16-byte aligned), dk, dv (``dkv_store``: "in", 4-byte aligned, stored two elements at a
-    time; else f32 accumulators, 8-byte aligned, added to two at a time), work, entries (i32);
-    int32 total_q, total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride,
+    time; else f32 accumulators, 8-byte aligned, added to two at a time), work, entries, ranks,
+    semaphores (i32; the last two read by the deterministic variant only); int32 total_q, total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride,
     dkv_row_stride, stat_stride, heads_per_cta; float32 scale_log2, score_premul,
     softmax_scale; int32 flags; the stream.
     """
     dkv = ("ptr", "in", 4) if dkv_store else ("ptr", "f32", 8)
     ptrs = [("ptr", "in", 16)] * 4 + [("ptr", "f32", 16)] * 3 + [dkv] * 2 + [("ptr", "i32", 16)] * 2
+    ptrs += [("ptr", "i32", 4)] * 2
     return ptrs + [("i32", "", 0)] * 10 + [("f32", "", 0)] * 3 + [("i32", "", 0), ("stream", "", 0)]
 
 
-def bwd_compile_key(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool) -> tuple:
+def bwd_compile_key(
+    torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool, deterministic: bool = False
+) -> tuple:
     """Everything a compiled backward depends on; no per-call shape or range content."""
     spec = repr(bwd_arg_spec(dkv_store))
-    return ("ffa_bwd_sm90", str(torch_dtype), cfg.key(), bool(has_softcap), bool(dkv_store), spec, arch())
+    flags = (bool(has_softcap), bool(dkv_store), bool(deterministic))
+    return ("ffa_bwd_sm90", str(torch_dtype), cfg.key(), *flags, spec, arch())
 
 
 def get_bwd_kernel(
-    torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool = False, *, use_disk_cache: bool = True
+    torch_dtype,
+    cfg: BwdConfig,
+    has_softcap: bool,
+    dkv_store: bool = False,
+    deterministic: bool = False,
+    *,
+    use_disk_cache: bool = True,
 ):
-    """Compiled backward for (dtype, cfg, softcap, dk/dv stored or added): memory cache, then
-    disk cache, then compile."""
+    """Compiled backward for (dtype, cfg, softcap, dk/dv stored or added, deterministic or not):
+    memory cache, then disk cache, then compile."""
 
     def build():
         from .bwd_sm90 import FFABackwardSm90
 
-        return FFABackwardSm90(dtype_of(torch_dtype), cfg, has_softcap, dkv_store)
+        return FFABackwardSm90(dtype_of(torch_dtype), cfg, has_softcap, dkv_store, deterministic)
 
     return compiled_kernel(
-        bwd_compile_key(torch_dtype, cfg, has_softcap, dkv_store),
+        bwd_compile_key(torch_dtype, cfg, has_softcap, dkv_store, deterministic),
         "ffa_bwd_",
         build,
         lambda: placeholder_args(bwd_arg_spec(dkv_store), dtype_of(torch_dtype)),
         f"sm90 backward (dtype={torch_dtype}, hdim={cfg.head_dim}, softcap={has_softcap}, "
-        f"dk/dv {'stored' if dkv_store else 'added'})",
+        f"dk/dv {'stored' if dkv_store else 'added'}{', deterministic' if deterministic else ''})",
         use_disk_cache=use_disk_cache,
     )
 
@@ -62,11 +72,11 @@ def get_bwd_kernel(
 _LAUNCHERS: dict[tuple, object] = {}
 
 
-def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool):
-    key = (torch_dtype, cfg, has_softcap, dkv_store)
+def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool, deterministic: bool):
+    key = (torch_dtype, cfg, has_softcap, dkv_store, deterministic)
     fn = _LAUNCHERS.get(key)
     if fn is None:
-        kernel = get_bwd_kernel(torch_dtype, cfg, has_softcap, dkv_store)
+        kernel = get_bwd_kernel(torch_dtype, cfg, has_softcap, dkv_store, deterministic)
         fn = _LAUNCHERS[key] = make_launcher(kernel, bwd_arg_spec(dkv_store), dtype_of(torch_dtype))
     return fn
 
@@ -206,9 +216,11 @@ def _pointers_16bit_pairs(t: torch.Tensor) -> bool:
 
 def _launch(
     q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, dkv_row_stride, dkv_store, heads_per_cta,
-    softmax_scale, softcap, head_group,
+    softmax_scale, softcap, head_group, deterministic,
 ) -> None:  # fmt: skip
-    """Preprocess (cached per backward) and one kernel launch; q/k/v/dout as the caller gave them."""
+    """Preprocess (cached per backward) and one kernel launch; q/k/v/dout as the caller gave them.
+    ``deterministic``: ``plan`` has its visit ranks; zeroed semaphores per q block and q head
+    and per work tile and K/V head."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     q = _aligned16(q.contiguous())
@@ -217,23 +229,33 @@ def _launch(
     k, v, kv_row_stride = _kv_rows(k, v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
     flags = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group) << HEAD_GROUP_SHIFT
-    fn = _launcher(q.dtype, cfg, softcap > 0.0, dkv_store)
+    fn = _launcher(q.dtype, cfg, softcap > 0.0, dkv_store, deterministic)
+    if deterministic:
+        # per q block and q head (dQ order), then per work tile and K/V head (dK/dV order)
+        sem = torch.zeros(
+            -(-total_q // cfg.tile_m) * hq + plan.num_work * hk, dtype=torch.int32, device=q.device
+        )
+        ranks_ptr, sem_ptr = plan.ranks.data_ptr(), sem.data_ptr()
+    else:
+        ranks_ptr = sem_ptr = plan.work.data_ptr()  # not read
     fn(
         (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats[0].data_ptr(), stats[1].data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
-            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
+            ranks_ptr, sem_ptr, total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
             stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale, flags,
             torch.cuda.current_stream(q.device).cuda_stream,
         )
     )  # fmt: skip
 
 
-def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta):
+def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic):
+    """The backward plan and the q heads per CTA."""
     total_k, hk, _ = k.shape
     plan = get_plan(
-        q_ranges, k_ranges, attn_type_map, total_k, cfg.tile_n, cfg.tile_m, q.device, backward=True
-    )
+        q_ranges, k_ranges, attn_type_map, total_k, cfg.tile_n, cfg.tile_m, q.device,
+        backward=True, deterministic=deterministic,
+    )  # fmt: skip
     split = bwd_heads_per_cta(plan.num_work, q.shape[1], hk, _num_sms(q.device.index or 0), heads_per_cta)
     return plan, split
 
@@ -257,6 +279,7 @@ def cute_backward_stage(
     config: BwdConfig | None = None,
     head_group: int | None = None,
     heads_per_cta: int | None = None,
+    deterministic: bool = False,
 ) -> None:
     """sm90 CuTe DSL backward of one stage, added into float32 accumulators in place.
 
@@ -266,7 +289,9 @@ def cute_backward_stage(
     ``cute_forward``; dq_acc (Tq, Hq, D), dk_acc / dv_acc (Tk, Hk, D) float32, added to (views
     such as ``dkv[:, 0]`` / ``dkv[:, 1]`` of a packed (Tk, 2, Hk, D) buffer are updated in place;
     other layouts go through a contiguous temporary). ``heads_per_cta``: q heads one CTA walks
-    (default `bwd_heads_per_cta`). Raises NotImplementedError for what the kernel does not
+    (default `bwd_heads_per_cta`). ``deterministic``: bitwise the same result every run (the dQ
+    reduce-adds of a q block in a fixed order, and the dK/dV adds of the CTAs that share a K/V
+    head in head order). Raises NotImplementedError for what the kernel does not
     serve (head dim, dtype, float64 accumulators): the caller falls back.
     """
     softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
@@ -280,7 +305,7 @@ def cute_backward_stage(
     if total_q == 0 or total_k == 0:
         return
     dev = q.device
-    plan, split = _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta)
+    plan, split = _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic)
     if plan.num_work == 0:
         return
     in_place = dq_acc.is_contiguous() and dq_acc.data_ptr() % 16 == 0  # a TMA reduce target
@@ -293,7 +318,7 @@ def cute_backward_stage(
         dv = torch.zeros(dv_acc.shape, dtype=torch.float32, device=dev)
         dkv_row_stride = hk * d
     _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, dkv_row_stride, False, split,
-            softmax_scale, softcap, head_group)  # fmt: skip
+            softmax_scale, softcap, head_group, deterministic)  # fmt: skip
     if dq is not dq_acc:
         dq_acc.add_(dq)
     if not dkv_in_place:
@@ -317,6 +342,7 @@ def cute_backward(
     config: BwdConfig | None = None,
     head_group: int | None = None,
     heads_per_cta: int | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The whole backward of one attention call: ``(dq, dk, dv)`` in q's dtype, q's / k's shapes.
 
@@ -324,7 +350,8 @@ def cute_backward(
     When one CTA walks a whole GQA group (always for MHA; see `bwd_heads_per_cta` for GQA),
     dK / dV are stored in the input dtype straight from the kernel: no float32 buffer, no
     atomics, no cast; key tiles nothing covers are zeros. dq goes through a float32 accumulator
-    (several key tiles add to a q row) and one cast.
+    (several key tiles add to a q row) and one cast. ``deterministic`` as for
+    `cute_backward_stage`.
     """
     softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
     total_q, hq, d = q.shape
@@ -334,7 +361,7 @@ def cute_backward(
     plan, split = (
         (None, 1)
         if total_q == 0 or total_k == 0
-        else _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta)
+        else _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic)
     )
     if plan is None or plan.num_work == 0:
         return (
@@ -350,11 +377,11 @@ def cute_backward(
         dv = alloc(v.shape, dtype=q.dtype, device=dev)
         assert _pointers_16bit_pairs(dk) and _pointers_16bit_pairs(dv)
         _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, hk * d, True, split,
-                softmax_scale, softcap, head_group)  # fmt: skip
+                softmax_scale, softcap, head_group, deterministic)  # fmt: skip
     else:
         dk = torch.zeros(k.shape, dtype=torch.float32, device=dev)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=dev)
         _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, hk * d, False, split,
-                softmax_scale, softcap, head_group)  # fmt: skip
+                softmax_scale, softcap, head_group, deterministic)  # fmt: skip
         dk, dv = dk.to(q.dtype), dv.to(q.dtype)
     return dq.to(q.dtype), dk, dv

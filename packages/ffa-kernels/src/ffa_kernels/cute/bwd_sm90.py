@@ -46,7 +46,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
-from .atomics import red_add_f32x2, store_pair_16bit
+from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2, store_pair_16bit
 from .config import BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -56,13 +56,17 @@ from .schedule import cta_work_and_head
 
 
 class FFABackwardSm90:
-    """One compiled kernel per (dtype, BwdConfig, softcap on/off, dk/dv stored or added)."""
+    """One compiled kernel per (dtype, BwdConfig, softcap on/off, dk/dv stored or added,
+    deterministic or not)."""
 
-    def __init__(self, dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool):
+    def __init__(
+        self, dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool, deterministic: bool = False
+    ):
         self.dtype = dtype
         self.cfg = cfg
         self.has_softcap = has_softcap
         self.dkv_store = dkv_store
+        self.deterministic = deterministic
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
         # dQ = dS K: with 64-row q blocks each consumer warpgroup computes 64 rows x D / num_wg
         # columns; with 64 * num_wg-row blocks (D 64), 64 rows x all D columns. Either way one
@@ -86,6 +90,8 @@ class FFABackwardSm90:
         ptr_dv: cute.Pointer,  # (Tk, Hk, D), the same strides and dtype as dk
         ptr_work: cute.Pointer,  # (W, 4) i32
         ptr_ent: cute.Pointer,  # (E, ENTRY_COLS) i32
+        ptr_ranks: cute.Pointer,  # (W + V,) i32, plan.visit_ranks (deterministic only)
+        ptr_sem: cute.Pointer,  # (ceil(Tq / tile_m) * Hq + W * Hk,) i32 zeros (deterministic only)
         total_q: Int32,
         total_k: Int32,
         num_heads_q: Int32,
@@ -122,6 +128,14 @@ class FFABackwardSm90:
         mDelta = cute.make_tensor(ptr_delta, stat_layout)
         mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
         mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
+        mRanks = cute.make_tensor(ptr_ranks, cute.make_layout(num_work + total_q))  # the extent is unused
+        num_qblk = (total_q + self.tile_m - 1) // self.tile_m
+        mSem = cute.make_tensor(ptr_sem, cute.make_layout((num_qblk, num_heads_q), stride=(num_heads_q, 1)))
+        # then one semaphore per (work tile, K/V head): the turn of the head slot that adds dK/dV
+        mSemKV = cute.make_tensor(
+            ptr_sem + num_qblk * num_heads_q,
+            cute.make_layout((num_work, num_heads_k), stride=(num_heads_k, 1)),
+        )
         # (T, H, D) -> (T, D, H): the sequence axis first, head last, for TMA
         mQt, mdOt, mKt, mVt = (
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mdO, mK, mV)
@@ -175,7 +189,7 @@ class FFABackwardSm90:
 
         self.kernel(
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
-            mLSE2, mDelta, mdK, mdV, mWork, mEnt,
+            mLSE2, mDelta, mdK, mdV, mWork, mEnt, mRanks, mSem, mSemKV,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale_log2, score_premul, softmax_scale, num_heads_q // num_heads_k, heads_per_cta, num_work,
             num_heads_q // heads_per_cta, flags, SharedStorage,
@@ -206,6 +220,9 @@ class FFABackwardSm90:
         mdV: cute.Tensor,
         mWork: cute.Tensor,
         mEnt: cute.Tensor,
+        mRanks: cute.Tensor,
+        mSem: cute.Tensor,
+        mSemKV: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -252,6 +269,9 @@ class FFABackwardSm90:
         e1 = mWork[w, 2]
         head0 = slot * heads_per_cta
         head_kv = head0 // qhead_per_kvhead
+        # deterministic, dK/dV added: the head slots of a K/V head add in slot (= CTA) order
+        dkv_turn = slot - head_kv * (qhead_per_kvhead // heads_per_cta)
+        dkv_sem = mSemKV.iterator + cute.crd2idx((w, head_kv), mSemKV.layout)
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -263,13 +283,13 @@ class FFABackwardSm90:
                     sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head0, heads_per_cta, head_kv,
                 )  # fmt: skip
             if warp_idx == 1:
-                self.dq_writer(tma_dq, tma_atom_dq, sdQ, mEnt, e0, e1, head0, heads_per_cta)
+                self.dq_writer(tma_dq, tma_atom_dq, sdQ, mEnt, mRanks, mSem, w, e0, e1, head0, heads_per_cta)
         else:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
                 tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
-                n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale,
+                n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
             )  # fmt: skip
 
     @cute.jit
@@ -308,7 +328,7 @@ class FFABackwardSm90:
     def consumer(
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
-        n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale,
+        n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
     ):  # fmt: skip
         cfg = self.cfg
         D = self.hdim
@@ -383,7 +403,20 @@ class FFABackwardSm90:
                         )  # fmt: skip
                         q_state.advance()
                         do_state.advance()
+        consumers = cfg.num_mma_wg * 128
+        if cutlass.const_expr(self.deterministic and not self.dkv_store):
+            # the head slots of one K/V head add their dK/dV in slot (= CTA) order: wait for
+            # this slot's turn (a semaphore per work tile and K/V head)
+            if ctid == 0:
+                while load_acquire_i32(dkv_sem) != dkv_turn:
+                    pass
+            cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
         self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale)
+        if cutlass.const_expr(self.deterministic and not self.dkv_store):
+            # every consumer's adds precede the barrier, which precedes the release
+            cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
+            if ctid == 0:
+                add_release_i32(dkv_sem, 1)
 
     @cute.jit
     def block_step(
@@ -471,22 +504,38 @@ class FFABackwardSm90:
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQFullWG1) + wg_idx, number_of_threads=threads)
 
     @cute.jit
-    def dq_writer(self, tma_dq, tma_atom_dq, sdQ, mEnt, e0, e1, head0, heads_per_cta):
+    def dq_writer(self, tma_dq, tma_atom_dq, sdQ, mEnt, mRanks, mSem, w, e0, e1, head0, heads_per_cta):
         """The dQ writer warp: for every block (in the consumers' order) and consumer warpgroup,
         dq_acc[the warpgroup's rows and columns of the block, head] += its shared-memory tile, by one TMA
         reduce-add (rows past Tq are clipped by the TMA unit; rows the entry does not cover hold
         dS = 0, so they add +0). Each tile is freed (DQEmpty) once the previous reduce-add that
         read it has finished reading, then awaited (DQFull): one arrive and one wait per block, so
-        no barrier is left pending at exit."""
+        no barrier is left pending at exit.
+
+        Deterministic mode (q blocks aligned to tile_m): before adding to a block, wait until
+        the block's semaphore for this head counts this visit's rank (plan.visit_ranks), and
+        after the adds have landed (not only read shared memory) release it with +1, so every
+        run adds the partial dQs of a block in the same order."""
         cfg = self.cfg
         threads = 128 + cute.arch.WARP_SIZE
         dq_cols = self.dq_cols
         for hh in cutlass.range(heads_per_cta, unroll=1):
-            gdQ_head = tma_dq[None, None, head0 + hh]
+            head = head0 + hh
+            gdQ_head = tma_dq[None, None, head]
+            visit = mRanks[w] if cutlass.const_expr(self.deterministic) else 0
             for e in cutlass.range(e0, e1, unroll=1):
                 q_lo = mEnt[e, 0]
                 for j in cutlass.range(mEnt[e, 1], unroll=1):
                     qb = q_lo + j * self.tile_m
+                    sem = mSem.iterator
+                    if cutlass.const_expr(self.deterministic):
+                        # one lane waits and (below) releases: the lane the TMA copies elect
+                        sem = mSem.iterator + cute.crd2idx((qb // self.tile_m, head), mSem.layout)
+                        rank = mRanks[visit]
+                        if cute.arch.lane_idx() == 0:
+                            while load_acquire_i32(sem) != rank:
+                                pass
+                        cute.arch.sync_warp()
                     for wg in cutlass.range_constexpr(cfg.num_mma_wg):
                         # the oldest outstanding copy is this warpgroup's previous one
                         cute.arch.cp_async_bulk_wait_group(cfg.num_mma_wg - 1, read=True)
@@ -511,6 +560,12 @@ class FFABackwardSm90:
                         )
                         cute.copy(tma_atom_dq, s_part, g_part)
                         cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.deterministic):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        if cute.arch.lane_idx() == 0:
+                            add_release_i32(sem, 1)
+                        cute.arch.sync_warp()
+                        visit += 1
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reductions land before exit
 
     @cute.jit

@@ -45,6 +45,10 @@ class TilePlan:
     num_work: int
     num_entries: int
     total_blocks: int  # sum over work tiles of their blocks (per head)
+    # deterministic backward plans only: int32 (W + total_blocks,): per work tile the index of
+    # its first block visit, offset by W, then per visit its rank among the visits to the same
+    # q block (`visit_ranks`)
+    ranks: torch.Tensor | None = None
 
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -80,10 +84,12 @@ def transpose_bands(bands: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
 
 
 def build_band_plan(
-    bands: tuple[torch.Tensor, ...], total_rows: int, tile_m: int, tile_n: int
+    bands: tuple[torch.Tensor, ...], total_rows: int, tile_m: int, tile_n: int, align_cols: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Work tiles of ``tile_m`` rows over the row axis, each with its entries of ``tile_n``-wide
-    column blocks (module docstring). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+    column blocks (module docstring). ``align_cols``: every column block starts at a multiple of
+    tile_n (a few more masked columns; blocks of different work tiles then coincide or are
+    disjoint). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
     qs, qe, ks, ke, lo, hi = bands
     # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
     qs_eff = torch.maximum(qs, ks - hi)
@@ -107,6 +113,8 @@ def build_band_plan(
     k_hi = torch.minimum(ke[sl], r1 - 1 + hi[sl] + 1)
     ok = k_lo < k_hi
     sl, tile, k_lo, k_hi = sl[ok], tile[ok], k_lo[ok], k_hi[ok]
+    if align_cols:
+        k_lo = torch.div(k_lo, tile_n, rounding_mode="floor") * tile_n
     nblk = _ceil_div(k_hi - k_lo, tile_n)
     # group entries by tile (stable: keeps slice order inside a tile)
     order = torch.argsort(tile, stable=True)
@@ -162,6 +170,7 @@ def build_bwd_plan_cpu(
     total_k: int,
     tile_n: int,
     tile_m: int,
+    aligned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The backward's plan: the forward's construction on the transposed mask.
 
@@ -170,11 +179,82 @@ def build_bwd_plan_cpu(
     transposed band ``ks' = qs, ke' = qe, lo' = -hi, hi' = -lo, qs' = ks, qe' = ke``, so the
     forward's block-fullness test and band mask apply to the transposed score tile S^T as they
     are). Key tiles with no entry are dropped (nothing to add); the rest go longest first.
+
+    ``aligned`` (the deterministic mode): q blocks on the grid of multiples of tile_m, and the
+    key tiles in `deterministic_order`.
     """
     bands = transpose_bands(slice_bands(q_ranges, k_ranges, attn_type_map))
-    work, entries, total_blocks = build_band_plan(bands, total_k, tile_n, tile_m)
-    work = work[work[:, 3] > 0].contiguous()  # LPT order puts the empty tiles last
-    return work, entries, total_blocks
+    work, entries, total_blocks = build_band_plan(bands, total_k, tile_n, tile_m, align_cols=aligned)
+    work = work[work[:, 3] > 0]  # LPT order puts the empty tiles last
+    if aligned:
+        work = work[deterministic_order(work, entries, tile_m)]
+    return work.contiguous(), entries, total_blocks
+
+
+def deterministic_order(work: torch.Tensor, entries: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """The order of the key tiles in the deterministic backward, int64 ``(W,)`` indices into ``work``.
+
+    The dQ adds to a q block happen in CTA order (`visit_ranks`), so a CTA that reaches a
+    block before the earlier CTAs have added to it idles. Key tiles go by the q block where
+    their walk starts, last first: on a causal mask key tile k + 1 then adds to each q block
+    one step before key tile k reaches it, and on a sliding window likewise, so no CTA waits
+    (longest first, the default order, makes key tile k idle until key tile 0 has walked k
+    blocks: +73% on causal 8k on an H100). Key tiles whose walks end on the same q block (a
+    document) stay together, the documents with the most work first, so that the longest
+    tiles of a large document do not start last (the makespan's tail)."""
+    n_work = work.shape[0]
+    if n_work == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    w = work.to(torch.int64)
+    ent = entries.to(torch.int64)
+    ent_count = w[:, 2] - w[:, 1]
+    owner = torch.repeat_interleave(torch.arange(n_work), ent_count)
+    first_ent = torch.cumsum(ent_count, 0) - ent_count
+    e_idx = w[owner, 1] + (torch.arange(owner.shape[0]) - first_ent[owner])
+    q_lo = torch.div(ent[e_idx, 0], tile_m, rounding_mode="floor")
+    q_hi = q_lo + ent[e_idx, 1]
+    start = torch.full((n_work,), 1 << 40, dtype=torch.int64).scatter_reduce_(0, owner, q_lo, "amin")
+    end = torch.zeros(n_work, dtype=torch.int64).scatter_reduce_(0, owner, q_hi, "amax")
+    # work per group of tiles that end on the same q block
+    groups, group_of = torch.unique(end, return_inverse=True)
+    group_work = torch.zeros(groups.shape[0], dtype=torch.int64).index_add_(0, group_of, w[:, 3])
+    # lexicographic (group work desc, group end desc, start desc, plan position): one stable sort per key
+    order = torch.arange(n_work)
+    for key in (-start, -end, -group_work[group_of]):
+        order = order[torch.argsort(key[order], stable=True)]
+    return order
+
+
+def visit_ranks(work: torch.Tensor, entries: torch.Tensor, tile_m: int) -> torch.Tensor:
+    """The deterministic backward's order of the dQ reduce-adds, int32 ``(W + V,)``.
+
+    A visit is one q block of one entry of one work tile; V = all visits, in CTA order (work
+    tiles in plan order, then their entries, then blocks). ``[w]`` = W + index of work tile w's
+    first visit; ``[W + v]`` = how many earlier visits add to the same q block (blocks must be
+    aligned to tile_m: ``build_band_plan(align_cols=True)``). A CTA adds its block once that
+    many have (a semaphore per q block and head), so the sum's order is the same every run; it
+    only waits on CTAs of lower index, which the hardware starts first."""
+    w = work.to(torch.int64)
+    ent = entries.to(torch.int64)
+    n_work = w.shape[0]
+    ent_count = w[:, 2] - w[:, 1]
+    # entries in CTA order
+    owner = torch.repeat_interleave(torch.arange(n_work), ent_count)
+    first_ent = torch.cumsum(ent_count, 0) - ent_count
+    e_idx = w[owner, 1] + (torch.arange(owner.shape[0]) - first_ent[owner])
+    nblk = ent[e_idx, 1]
+    # visits in CTA order, and the q block each adds to
+    v_ent = torch.repeat_interleave(torch.arange(e_idx.shape[0]), nblk)
+    first_v = torch.cumsum(nblk, 0) - nblk
+    j = torch.arange(v_ent.shape[0]) - first_v[v_ent]
+    block = torch.div(ent[e_idx[v_ent], 0], tile_m, rounding_mode="floor") + j
+    order = torch.argsort(block, stable=True)
+    sorted_block = block[order]
+    group_start = torch.searchsorted(sorted_block, sorted_block, right=False)
+    rank = torch.empty_like(block)
+    rank[order] = torch.arange(block.shape[0]) - group_start
+    base = torch.cumsum(w[:, 3], 0) - w[:, 3] + n_work
+    return torch.cat([base, rank]).to(torch.int32).contiguous()
 
 
 _PLAN_CACHE: dict[tuple, TilePlan] = {}
@@ -192,27 +272,29 @@ def get_plan(
     device: torch.device,
     *,
     backward: bool = False,
+    deterministic: bool = False,
 ) -> TilePlan:
     """Plan with two small caches (``backward``: `build_bwd_plan_cpu` with ``total_q`` the
-    number of keys, ``tile_m`` the key tile and ``tile_n`` the q block).
+    number of keys, ``tile_m`` the key tile and ``tile_n`` the q block; ``deterministic``: its
+    q blocks aligned, with `visit_ranks`).
 
     1. Identity cache: the same range tensor objects (same storage, same in-place version
        counter) give the cached plan with no device->host copy and no sync at all.
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
     """
     tensors = (q_ranges, k_ranges, attn_type_map)
-    extra = (int(total_q), tile_m, tile_n, str(device), backward)
+    extra = (int(total_q), tile_m, tile_n, str(device), backward, deterministic)
     plan = _IDENT_CACHE.get(tensors, extra)
     if plan is None:
         plan = _get_plan_by_content(
-            q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward
+            q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward, deterministic
         )
         _IDENT_CACHE.put(tensors, extra, plan)
     return plan
 
 
 def _get_plan_by_content(
-    q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward: bool
+    q_ranges, k_ranges, attn_type_map, total_q, tile_m, tile_n, device, backward: bool, deterministic: bool
 ) -> TilePlan:
     qr = q_ranges.detach().to("cpu", torch.int32).contiguous()
     kr = k_ranges.detach().to("cpu", torch.int32).contiguous()
@@ -226,18 +308,23 @@ def _get_plan_by_content(
         tile_n,
         str(device),
         backward,
+        deterministic,
     )
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
-    build = build_bwd_plan_cpu if backward else build_plan_cpu
-    work, entries, total_blocks = build(qr, kr, tm, total_q, tile_m, tile_n)
+    if backward:
+        work, entries, total_blocks = build_bwd_plan_cpu(qr, kr, tm, total_q, tile_m, tile_n, deterministic)
+    else:
+        work, entries, total_blocks = build_plan_cpu(qr, kr, tm, total_q, tile_m, tile_n)
+    ranks = visit_ranks(work, entries, tile_n) if deterministic else None
     plan = TilePlan(
         work=work.to(device, non_blocking=False),
         entries=entries.to(device, non_blocking=False),
         num_work=int(work.shape[0]),
         num_entries=int(entries.shape[0]),
         total_blocks=total_blocks,
+        ranks=None if ranks is None else ranks.to(device, non_blocking=False),
     )
     if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
         _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
