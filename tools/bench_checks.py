@@ -8,7 +8,10 @@
    lookup) and the cross-rank key check of a new key object (``check_key``: fingerprint and one
    all-gather) on CPU gloo groups of 2 and 4 ranks, with 3, 1k and 100k slices.
 
-Usage: python packages/magi-dist/tools/bench_checks.py [--worlds 2 4] [--slices 1000 100000]
+3. ``--gpu``: the same validation with CUDA tensors beside one 32k-token varlen causal forward
+   of flex_flash_attn_func (16 heads of 128, bf16): the checks' share of a call.
+
+Usage: python tools/bench_checks.py [--worlds 2 4] [--slices 1000 100000] [--gpu]
 """
 
 from __future__ import annotations
@@ -61,6 +64,49 @@ def bench_validation(slices: list[int]) -> None:
             f"{n:>8} | {_median_us(first, reps):>11.1f} | {_median_us(again, reps * 10):>12.1f} | "
             f"{_median_us(inputs, 200):>20.1f}"
         )
+
+
+def bench_gpu(slices: list[int]) -> None:
+    """Validation of CUDA tensors (new range tensors, then the same again) against one forward."""
+    from ffa_kernels import flex_flash_attn_func
+    from ffa_kernels._validate import _CHECKED_RANGES, validate_attn_args
+
+    total, heads = 32768, 16
+    q, k, v = (torch.randn(total, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # 12 documents: the varlen causal case of tools/bench_ffa.py's size
+    cu = torch.linspace(0, total, 13, dtype=torch.int64).tolist()
+    docs = torch.tensor([[a, b] for a, b in zip(cu[:-1], cu[1:])], dtype=torch.int32, device="cuda")
+    types = torch.ones(docs.shape[0], dtype=torch.int32, device="cuda")
+
+    def forward():
+        flex_flash_attn_func(q, k, v, docs, docs, attn_type_map=types)
+
+    for _ in range(3):
+        forward()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        forward()
+    end.record()
+    torch.cuda.synchronize()
+    fwd_us = start.elapsed_time(end) / 20 * 1e3
+    print(f"\nGPU: varlen causal 32k forward {fwd_us:.0f} us (flex_flash_attn_func, CUDA events)")
+    print(f"{'slices':>8} | {'first call':>11} | {'same tensors':>12} | {'share of the forward':>20}")
+    for n in [12, *(min(n, total) for n in slices)]:
+        qr, kr, tm = (t.to("cuda") for t in _ranges(n))
+        if n == 12:
+            qr, kr, tm = docs, docs, types
+
+        def first(qr=qr, kr=kr, tm=tm):
+            _CHECKED_RANGES.clear()
+            validate_attn_args(q, k, v, qr, kr, tm, None, 0.0)
+
+        def again(qr=qr, kr=kr, tm=tm):
+            validate_attn_args(q, k, v, qr, kr, tm, None, 0.0)
+
+        t_first, t_again = _median_us(first, 5), _median_us(again, 200)
+        print(f"{n:>8} | {t_first:>11.1f} | {t_again:>12.1f} | {100 * t_again / fwd_us:>19.2f}%")
 
 
 def _flex_key(n: int, group=None):
@@ -127,7 +173,11 @@ def main() -> None:
     )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--slices", type=int, nargs="+", default=[1000, 100_000])
+    parser.add_argument("--gpu", action="store_true", help="only the CUDA measurement (item 3)")
     args = parser.parse_args()
+    if args.gpu:
+        bench_gpu(args.slices)
+        return
     torch.set_num_threads(1)
     bench_validation(args.slices)
     bench_key_checks(args.worlds, args.slices)
