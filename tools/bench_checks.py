@@ -92,6 +92,26 @@ def bench_gpu(slices: list[int]) -> None:
     torch.cuda.synchronize()
     fwd_us = start.elapsed_time(end) / 20 * 1e3
     print(f"\nGPU: varlen causal 32k forward {fwd_us:.0f} us (flex_flash_attn_func, CUDA events)")
+    # the checks' share of the forward's wall time: the same calls with validation replaced
+    # by its memoised result (the host runs ahead of the GPU, so this is what a user sees)
+    from ffa_kernels import _frontend
+
+    checked = validate_attn_args(q, k, v, docs, docs, types, None, 0.0)
+    real = _frontend.validate_attn_args
+    for label, patched in (("with checks", real), ("checks memoised", lambda *a: checked)):
+        _frontend.validate_attn_args = patched
+        try:
+            forward()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                forward()
+            host_us = (time.perf_counter() - t0) / 50 * 1e6
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) / 50 * 1e6
+        finally:
+            _frontend.validate_attn_args = real
+        print(f"  {label:16s}: wall {wall_us:7.1f} us per call, host (launch) {host_us:6.1f} us")
     print(f"{'slices':>8} | {'first call':>11} | {'same tensors':>12} | {'share of the forward':>20}")
     for n in [12, *(min(n, total) for n in slices)]:
         qr, kr, tm = (t.to("cuda") for t in _ranges(n))

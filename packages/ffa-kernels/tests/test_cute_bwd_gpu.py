@@ -455,3 +455,55 @@ def test_deterministic_backward_is_bitwise_reproducible():
         runs.append([x.grad for x in xs])
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+@requires_sm90
+def test_bwd_dout_layouts_through_autograd():
+    """flex_flash_attn_func's backward on the kernel with a non-contiguous, an expanded and a
+    float32 output gradient: bitwise the gradients of the contiguous bf16 one (deterministic
+    mode, so that equal inputs give equal bits); a wrong shape is an error."""
+    from ffa_kernels import flex_flash_attn_func
+
+    torch.manual_seed(0)
+    tq, h, d = 700, 4, 128
+    q, k, v = (
+        torch.randn(tq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    qr = torch.tensor([[0, 300], [300, 700]], dtype=torch.int32, device="cuda")
+    ty = torch.tensor([1, 1], dtype=torch.int32, device="cuda")
+
+    def grads(dout):
+        out, _ = flex_flash_attn_func(q, k, v, qr, qr, ty, deterministic=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    base = torch.randn(d, h, tq, device="cuda").to(torch.bfloat16)
+    strided = base.permute(2, 1, 0)  # (tq, h, d), not contiguous
+    row = torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16).expand(tq, h, d)
+    for dout in (strided, row):
+        for g, w in zip(grads(dout), grads(dout.contiguous())):
+            assert torch.isfinite(g).all() and torch.equal(g, w)
+    for g, w in zip(grads(strided.float()), grads(strided.contiguous())):  # autograd casts to bf16
+        assert torch.equal(g, w)
+    with pytest.raises(RuntimeError, match=r"(?i)shape"):
+        grads(torch.randn(tq, h, d - 1, device="cuda", dtype=torch.bfloat16))
+
+
+@requires_sm90
+def test_bwd_stage_deterministic_is_bitwise_repeatable():
+    """ffa_backward_stage(deterministic=True) on the kernel: 3 runs add bitwise the same into
+    float32 accumulators (GQA 8:1, a group split over CTAs), and agree with the default mode."""
+    from ffa_kernels import ffa_backward_stage
+
+    rng = random.Random(7)
+    tq, tk = 900, 1100
+    qr, kr, ty = random_slices(rng, tq, tk, 5)
+    _, q, k, v, dout, out, lse, _, ranges = _inputs(qr, kr, ty, tq, tk, 8, 1, 128, torch.bfloat16, 0.0, 7)
+    results = []
+    for det in (True, True, True, False):
+        accs = [torch.zeros(x.shape, device="cuda") for x in (q, k, v)]
+        ffa_backward_stage(dout, q, k, v, out, lse, *ranges, *accs, deterministic=det)
+        results.append(accs)
+    for run in results[1:3]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], run))
+    for a, b in zip(results[0], results[3]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)

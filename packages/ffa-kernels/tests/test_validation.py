@@ -273,3 +273,56 @@ def test_kernel_reads_packed_kv_in_place():
     assert k.is_contiguous() and k.data_ptr() != odd.data_ptr() and stride == 32
     k, v, stride = _kv_rows(kv[:, 0], kv[:, 0].contiguous())  # K and V strides differ
     assert k.is_contiguous() and v.is_contiguous() and stride == 16
+
+
+def _grads_through_autograd(dout_of):
+    """Gradients of flex_flash_attn_func's output with the output gradient ``dout_of(out)``
+    (the same q, k, v every call)."""
+    torch.manual_seed(1)
+    kw = _base()
+    q, k, v = (kw.pop(n).requires_grad_() for n in ("q", "k", "v"))
+    out, _ = flex_flash_attn_func(q, k, v, kw["q_ranges"], kw["k_ranges"], kw["attn_type_map"])
+    return torch.autograd.grad(out, (q, k, v), dout_of(out))
+
+
+def test_backward_dout_layouts_give_the_same_gradients():
+    """A non-contiguous or differently typed output gradient gives the gradients of its
+    contiguous, same-dtype values (never garbage or NaN)."""
+    torch.manual_seed(0)
+    dout = torch.randn(6, 4, 8, dtype=torch.float64)
+    want = _grads_through_autograd(lambda out: dout.to(out.dtype))
+    # a transposed view of a (8, 4, 6) tensor and an expanded one: both non-contiguous
+    t = dout.to(torch.float32).permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    assert not t.is_contiguous()
+    for dout_of in (lambda out: t, lambda out: dout):  # float64 dout: autograd casts it
+        got = _grads_through_autograd(dout_of)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all() and torch.allclose(g, w, rtol=1e-6, atol=1e-6)
+    row = torch.randn(1, 4, 8).expand(6, 4, 8)
+    got = _grads_through_autograd(lambda out: row)
+    want = _grads_through_autograd(lambda out: row.contiguous())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize(
+    ("dout", "pattern"),
+    [
+        (torch.randn(6, 4, 7), r"(?i)shape"),
+        (torch.randn(6, 8), r"(?i)shape"),
+        (torch.randn(6, 4, 8, device="meta"), r"(?i)device"),
+    ],
+)
+def test_backward_bad_dout_is_an_error(dout, pattern):
+    """An output gradient of the wrong shape or device: a clear error before any compute."""
+    with pytest.raises((RuntimeError, ValueError), match=pattern):
+        _grads_through_autograd(lambda out: dout)
+
+
+def test_backward_stage_deterministic_must_be_bool():
+    kw = _base()
+    with pytest.raises(TypeError, match="deterministic"):
+        ffa_backward_stage(
+            torch.zeros(6, 4, 8), kw["q"], kw["k"], kw["v"], torch.zeros(6, 4, 8), torch.zeros(6, 4),
+            kw["q_ranges"], kw["k_ranges"], kw["attn_type_map"], torch.zeros(6, 4, 8), torch.zeros(5, 2, 8),
+            torch.zeros(5, 2, 8), deterministic="yes",
+        )  # fmt: skip

@@ -312,6 +312,7 @@ def ffa_backward_stage(
     *,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> None:
     """Add one stage's contribution to dq, dk, dv, in place.
 
@@ -323,6 +324,8 @@ def ffa_backward_stage(
         lse: ``(Tq, Hq)`` FINAL log-sum-exp of the rows (all stages, sink included).
         dq_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), added to.
         dk_acc, dv_acc: float32 ``(Tk, Hk, D)`` (float64 allowed), added to.
+        deterministic: bitwise the same additions run after run (as for
+            `flex_flash_attn_func`).
 
     Because out and lse are the global ones, summing this over all stages gives exactly the
     gradient of the whole attention (the sink's own gradient is `sink_backward`).
@@ -337,7 +340,8 @@ def ffa_backward_stage(
     check_accumulator("dq_acc", dq_acc, (tq, hq, d), dev)
     check_accumulator("dk_acc", dk_acc, (tk, hk, d), dev)
     check_accumulator("dv_acc", dv_acc, (tk, hk, d), dev)
-    _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+    check_bool("deterministic", deterministic)
+    _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc, deterministic)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -462,8 +466,8 @@ def flex_flash_attn_func(
         softmax_scale: None means ``D ** -0.5``.
         softcap: when > 0 the logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
         deterministic: bitwise reproducible gradients. The reference backend always is; the
-            CuTe backward then adds the partial dQ of each q block in a fixed order
-            (semaphores) and sums a GQA group's dK/dV in one CTA.
+            CuTe backward then adds the partial dQ of each q block, and the partial dK/dV of
+            the CTAs that share a K/V head, in a fixed order (semaphores).
         return_max_logits: also return ``meta.max_logits``.
 
     Returns:
