@@ -117,6 +117,8 @@ CASES = {  # name -> builder; make_cases keeps this order whatever the order of 
     "causal8k": lambda: dense_case("causal 8k", 16, 128, causal=True),
     "full8k_d64": lambda: dense_case("full 8k d64 32h", 32, 64, causal=False),
     "causal8k_d64": lambda: dense_case("causal 8k d64 32h", 32, 64, causal=True),
+    "full8k_d256": lambda: dense_case("full 8k d256 8h", 8, 256, causal=False),
+    "causal8k_d256": lambda: dense_case("causal 8k d256 8h", 8, 256, causal=True),
     "varlen_causal32k": lambda: varlen_case(
         "varlen causal 32k/12", 16, 16, doc_lengths(T32, 12, 0), causal=True
     ),

@@ -188,9 +188,12 @@ def test_plan_empty_blocks_never_planned():
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported: compile with no GPU
 
 
-VARIANTS = list(
-    itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True))
-)  # (head_dim, dtype, softcap, accumulate)
+VARIANTS = [
+    *itertools.product((64, 128), (torch.bfloat16, torch.float16), (False, True), (False, True)),
+    # head dim 256: every epilogue and softcap in bf16; fp16 changes only the element type
+    *itertools.product((256,), (torch.bfloat16,), (False, True), (False, True)),
+    (256, torch.float16, False, False),
+]  # (head_dim, dtype, softcap, accumulate)
 
 
 def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:

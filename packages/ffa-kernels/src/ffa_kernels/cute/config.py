@@ -46,7 +46,7 @@ class FwdConfig(_KernelConfig):
     rescale_threshold: float = 8.0  # lazy rescaling: keep a stale row max up to 2**thr (log2 units)
 
     def __post_init__(self) -> None:
-        assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
+        assert self.head_dim in (64, 128, 256), "head_dim must be 64, 128 or 256"
         assert self.num_mma_wg == 2, "the ping-pong schedule is written for 2 consumer warpgroups"
         assert self.tile_m == 64 * self.num_mma_wg
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
@@ -55,9 +55,13 @@ class FwdConfig(_KernelConfig):
 
 @functools.cache
 def default_config(head_dim: int) -> FwdConfig:
-    """FA3-style choice: 128x128 tiles, 2 consumer warpgroups; hdim 64 gets one more K/V stage."""
+    """FA3-style choice: 128x128 tiles, 2 consumer warpgroups; hdim 64 gets one more K/V stage;
+    hdim 256 takes 80 keys per stage (Q 64 KiB + 2 stages of K and V at 40 KiB each fit the
+    227 KiB of shared memory; the O accumulator alone holds 128 registers per thread)."""
     if head_dim == 64:
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=3)
+    if head_dim == 256:
+        return FwdConfig(head_dim=256, tile_m=128, tile_n=80, num_stages=2)
     return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
 
 

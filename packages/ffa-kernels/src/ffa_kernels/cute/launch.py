@@ -121,7 +121,8 @@ def _runtime() -> _Runtime:
     return _RT
 
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+# head dims each sm90 kernel serves (the frontend falls back to the reference for the others)
+SUPPORTED_HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128)}
 
 
 def kernel_scales(
@@ -129,10 +130,12 @@ def kernel_scales(
 ) -> tuple[float, float]:
     """``(softmax_scale, softcap)`` as the kernels take them (None -> D ** -0.5; softcap <= 0 -> 0),
     after the checks every sm90 kernel shares. "Unsupported" is said (NotImplementedError, naming
-    ``what``) before anything runs: the frontend then serves the call from the reference backend."""
+    ``what``: "forward" or "backward") before anything runs: the frontend then serves the call
+    from the reference backend."""
     d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim: the sm90 {what} supports {SUPPORTED_HEAD_DIMS}, got {d}")
+    dims = SUPPORTED_HEAD_DIMS[what]
+    if d not in dims:
+        raise NotImplementedError(f"head_dim: the sm90 {what} supports {dims}, got {d}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q: the sm90 {what} supports bfloat16 and float16, got {q.dtype}")
     softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
@@ -142,7 +145,7 @@ def kernel_scales(
 
 def _prepare(q: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None):
     """Checks and settings both forward entry points share: (runtime, config, softmax_scale, softcap)."""
-    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "kernel")
+    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "forward")
     return _runtime(), config or default_config(q.shape[-1]), softmax_scale, softcap
 
 
@@ -293,7 +296,7 @@ def cute_forward_accumulate(
 ):
     """sm90 CuTe DSL forward that merges its result into a float32 accumulator in place.
 
-    q: (Tq, Hq, D), k/v: (Tk, Hk, D), bf16 or fp16, Hq % Hk == 0, D in (64, 128).
+    q: (Tq, Hq, D), k/v: (Tk, Hk, D), bf16 or fp16, Hq % Hk == 0, D in (64, 128, 256).
     q_ranges/k_ranges: int32 (N, 2), attn_type_map: int32 (N,) or None (all FULL), as in
     ``cute_forward``. The slices of one call must not cover a cell twice.
     out_acc: float32 (Tq, Hq, D), contiguous, 16-byte aligned; lse_acc: float32 (Tq, Hq),
