@@ -130,6 +130,28 @@ def test_double_backward_is_refused(group):
         torch.autograd.grad(gq.sum(), q)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_every_backward_stage(group, monkeypatch, deterministic):
+    """calc_attn(deterministic=...) asks every stage's backward for that mode, and the
+    gradients equal the default mode's (the reference backend is deterministic either way)."""
+    seen = []
+    real = magi_dist.attn.ffa_backward_stage
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("deterministic"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(magi_dist.attn, "ffa_backward_stage", spy)
+    key = _key()
+    grads = []
+    for det in (deterministic, False):
+        q, k, v = (x.requires_grad_() for x in _qkv())
+        out, _ = md.calc_attn(q, k, v, key, deterministic=det)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    assert seen and set(seen[: len(seen) // 2]) == {deterministic}
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 BAD_ARGS = [
     (dict(softcap=True), TypeError, r"softcap must be a real number, got bool"),
     (dict(softcap=-1.0), ValueError, r"softcap must be >= 0"),
@@ -142,6 +164,7 @@ BAD_ARGS = [
     (dict(sink=[0.0]), TypeError, r"sink must be a torch.Tensor"),
     (dict(return_max_logits="yes"), TypeError, r"return_max_logits must be a bool"),
     (dict(q=torch.zeros(96, 4, 8, dtype=torch.int64)), TypeError, r"q dtype"),
+    (dict(deterministic="yes"), TypeError, r"deterministic: expected a bool, got str"),
 ]
 
 

@@ -114,7 +114,7 @@ def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
     )
 
 
-def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap) -> None:
+def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap, det=False) -> None:
     if st.empty:
         return
     ffa_backward_stage(
@@ -132,6 +132,7 @@ def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, sof
         dv,
         softmax_scale=scale,
         softcap=softcap,
+        deterministic=det,
     )
 
 
@@ -191,7 +192,9 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     return out, lse, None if ml is None else ml.float()
 
 
-def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
+def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det):
+    """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
+    repeatable) and the reduction of the remote rows' [dK, dV] to their owners."""
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
@@ -204,7 +207,9 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
     if rt.me.calc.kv_concat:
         kv = _concat_kv(rt, k, v)
         dkv = torch.zeros(kv.shape, dtype=f32, device=dev)
-        _bwd_stage(dout, q, kv[:, 0], kv[:, 1], out, lse, remote[0], dq, dkv[:, 0], dkv[:, 1], scale, softcap)
+        _bwd_stage(
+            dout, q, kv[:, 0], kv[:, 1], out, lse, remote[0], dq, dkv[:, 0], dkv[:, 1], scale, softcap, det
+        )
         dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
         reduces.append(_start_reduce(rt, dkv[tk:], dkv_remote, 0))
     else:
@@ -212,7 +217,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
         pending = _start_cast(rt, kv, 0) if n else None
         dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
-        _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap)
+        _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
         for t in range(n):
             work, buf = pending
             work.wait()
@@ -231,6 +236,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap):
                 dkv_t[:, 1],
                 scale,
                 softcap,
+                det,
             )
             reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
     if n:
@@ -256,10 +262,10 @@ def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
 
 class _DistAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sink, rt, sink_layout, scale, softcap, want_max):
+    def forward(ctx, q, k, v, sink, rt, sink_layout, scale, softcap, want_max, det):
         out, lse, ml = _forward(rt, q, k, v, sink, sink_layout, scale, softcap, want_max)
         ctx.save_for_backward(q, k, v, out, lse, sink)  # lse in accumulator precision
-        ctx.rt, ctx.sink_layout, ctx.scale, ctx.softcap = rt, sink_layout, scale, softcap
+        ctx.rt, ctx.sink_layout, ctx.scale, ctx.softcap, ctx.det = rt, sink_layout, scale, softcap, det
         lse = lse.float()
         ctx.mark_non_differentiable(lse)
         if ml is not None:
@@ -271,13 +277,13 @@ class _DistAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dml):
         q, k, v, out, lse, sink = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = _backward(ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap)
+        dq, dk, dv = _backward(ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap, ctx.det)
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out, dout, lse)
             if ctx.sink_layout == "sh":
                 dsink = _reduce_dsink(dsink, ctx.rt)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None, None
 
 
 def _check_heads(name: str, x: object, heads: int, d: int) -> None:
@@ -306,6 +312,7 @@ def calc_attn(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     return_max_logits: bool = False,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, AttnForwardMeta]:
     """Context-parallel attention of this rank's rows.
 
@@ -317,6 +324,8 @@ def calc_attn(
             (per local row, dispatched).
         softmax_scale: None means ``D ** -0.5``. softcap: tanh soft-capping of logits when > 0.
         return_max_logits: also return the global per-head max of ``softmax_scale * q.k``.
+        deterministic: bitwise the same gradients run after run on every rank (each stage's
+            backward kernel in its ordered mode; the dK/dV reductions always sum in a fixed order).
     Returns:
         ``(local_out, AttnForwardMeta(lse, max_logits))``: out ``(shard_seqlen, Hq, D)`` in q's
         dtype, lse float32 ``(shard_seqlen, Hq)`` (local rows), max_logits float32 ``(Hq,)`` equal on
@@ -340,6 +349,10 @@ def calc_attn(
         q, k, v, sink=sink, sink_layout=sink_layout, softmax_scale=softmax_scale, softcap=softcap,
         return_max_logits=return_max_logits,
     )  # fmt: skip
+    if not isinstance(deterministic, bool):
+        raise TypeError(
+            f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}"
+        )
     # 2. The key object's first collective use: every rank must hold the same key.
     check_key(key)
     # 3. The row counts, which the plan gives (planning is local).
@@ -356,5 +369,6 @@ def calc_attn(
         args.softmax_scale,
         args.softcap,
         args.return_max_logits,
+        deterministic,
     )
     return out, AttnForwardMeta(lse=lse, max_logits=ml)
