@@ -140,8 +140,8 @@ def peer_push(
     """A copy-kernel launch (built once) that pushes ``words`` int64 words from a source address
     to the next rank's symmetric buffer: call it as ``launch(src_address, 0, stream)``.
     ``max_programs``: the grid cap, as the backend's ``NativeConfig.max_programs`` (0: none)."""
-    from magi_comm.backends._native_kernels import CopyLaunch
-    from magi_comm.backends._native_layout import TaskTable, to_blocks
+    from magi_comm.backends.native.kernels import CopyLaunch
+    from magi_comm.backends.native.layout import TaskTable, to_blocks
 
     peer = (rank + 1) % world
     peer_addr = [None] * world
@@ -186,7 +186,7 @@ def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
     """Microseconds per step of the native backend's stream-ordered pieces, alone (rank 0 prints):
     a signal to the peer plus the wait for the peer's signal; a one-block copy kernel with and
     without its system-scope fence."""
-    from magi_comm.backends._native_protocol import READY
+    from magi_comm.backends.native.protocol import READY
 
     st = nat._backend._state
     peer, source = (rank + 1) % world, (rank - 1) % world

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_comm import ROW, ROW_BYTES, layout
+from bench_comm import ROW, ROW_BYTES, layout  # tools/ is first on sys.path when run as a script
 
 
 def _time(fn, iters: int) -> float:
@@ -42,9 +39,9 @@ def run(mib: float, iters: int, shapes=((None, None),)) -> list[tuple[str, float
     """Per (tile rows, warps) in ``shapes`` (None: the default) both paths, then the copy:
     ``(name, seconds, GB/s of peer bytes)``; every configuration's result is checked bitwise."""
     from magi_comm._plan import build_reduce_plan
-    from magi_comm.backends import _native_protocol as proto
-    from magi_comm.backends._native_kernels import launch_reduce
-    from magi_comm.backends._native_layout import (
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import launch_reduce
+    from magi_comm.backends.native.terms import (
         build_pull_terms,
         build_reduce_terms,
         publish_row,

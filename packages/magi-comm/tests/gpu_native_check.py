@@ -6,7 +6,7 @@ Phases (every rank runs the same deterministic cases; a failing comparison is re
 raised, so that all ranks keep calling the collectives together):
 
 A. default buffer:
-   1. the shared randomized cases of ``magi_comm_testlib`` (cast of every dtype, sum / avg /
+   1. the shared randomized cases of ``magi_comm.testing`` (cast of every dtype, sum / avg /
       lse with and without acc_reduce, async, debug mode) through the native backend against
       the brute-force oracles;
    2. larger layouts with 16-byte aligned rows (vectorized kernel path), every case through
@@ -33,7 +33,6 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -236,9 +235,7 @@ def main() -> int:
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{local_rank}"
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import magi_comm_testlib as lib
-
+    import magi_comm.testing as lib
     from magi_comm import GroupCollective
     from magi_comm.backends import native as native_mod
 

@@ -9,14 +9,15 @@ the parent from a fixed seed). Workers come from a "forkserver" that imported to
 
 import multiprocessing
 
-import magi_comm_testlib as lib
 import pytest
 import torch.multiprocessing as mp
+
+import magi_comm.testing as lib
 
 SEED = 20240611
 CASES_PER_WORLD = 60
 # Only takes effect when this process starts its forkserver; import errors there are ignored.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "magi_comm", "magi_comm_testlib"])
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "magi_comm", "magi_comm.testing"])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

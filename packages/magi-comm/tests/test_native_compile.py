@@ -1,6 +1,6 @@
 """Every kernel launch the native backend makes compiles for Hopper (sm_90), without a GPU.
 
-The backend runs in the fake world (``native_fake``: ranks are threads, the data moves through
+The backend runs in the fake world (``magi_comm.testing.native_fake``: ranks are threads, the data moves through
 the reference kernels), and every launch is also handed to the real Triton launch objects,
 whose launch step is replaced by a compile for sm_90 with exactly the specialization Triton
 would derive from the arguments (types, 16-byte divisibility, constants equal to 1). That
@@ -19,23 +19,24 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton not installed", allow_module_level=True)
 
-import native_fake
-import test_native_fake as cases
 import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 
-from magi_comm.backends import _native_kernels as kernels
 from magi_comm.backends import native
-from magi_comm.backends.native import NativeBackend, NativeConfig
+from magi_comm.backends.native import NativeBackend, NativeConfig, kernels
+from magi_comm.backends.native import protocol as proto
+from magi_comm.backends.native.kernels.compiled import CompiledKernel
+from magi_comm.testing import native_cases as cases
+from magi_comm.testing import native_fake
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
 class CompileOnly:
-    """Stands in for ``_Compiled.__call__``: compiles each new specialization for sm_90."""
+    """Stands in for ``CompiledKernel.__call__``: compiles each new specialization for sm_90."""
 
     def __init__(self) -> None:
         self.compiled: set = set()
@@ -82,10 +83,10 @@ class CompileOnly:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     compiler = CompileOnly()
-    monkeypatch.setattr(kernels._Compiled, "__call__", lambda self, *a, **k: compiler(self, *a, **k))
-    monkeypatch.setattr(kernels._Compiled, "direct", True, raising=False)
+    monkeypatch.setattr(CompiledKernel, "__call__", lambda self, *a, **k: compiler(self, *a, **k))
+    monkeypatch.setattr(CompiledKernel, "direct", True, raising=False)
 
     class Both(native_fake.CopyLaunch):
         """The fake moves the rows; the real launch object compiles its kernel."""
@@ -100,16 +101,13 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
 
     def reduce_both(*args, **kwargs):
         kernels.launch_reduce(*args, **kwargs)
-        native_fake.launch_reduce(*args, **kwargs)
+        native_fake.launch_reduce(*args, **kwargs, world=fw)
 
-    monkeypatch.setattr(
-        native,
-        "_load_kernels",
-        lambda: types.SimpleNamespace(
-            CopyLaunch=Both, launch_reduce=reduce_both, reduce_tile_rows=kernels.reduce_tile_rows
-        ),
+    # the ranks' platforms hand these to the backend
+    fw.kernels = types.SimpleNamespace(
+        CopyLaunch=Both, launch_reduce=reduce_both, reduce_tile_rows=kernels.reduce_tile_rows
     )
-    small = cases._cases(world, 100 + world, 24, big=False)
+    small = cases.draw(world, 100 + world, 24, big=False)
 
     def rank_fn(rank):
         overlap = NativeConfig(
@@ -117,10 +115,10 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
         )
         with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
             for case in small:
-                cases._run(be, case, rank, world)
+                cases.run(be, case, rank, world)
             with NativeBackend("group", rank, world, overlap) as be2:  # progress and waiting variants
                 for case in small:
-                    cases._run(be2, case, rank, world)
+                    cases.run(be2, case, rank, world)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
@@ -135,17 +133,15 @@ def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
     """The fused reduction of 16-byte rows (1024 bf16) reads every term, from the regions and
     pulled from a peer's input, with 16-byte vector loads on sm_90 (a pointer made from an
     integer address, or a hint on the wrong dimension, turns them into 2-byte loads)."""
-    from magi_comm.backends import _native_protocol as proto
-
     compiler, ptx = CompileOnly(), []
     monkeypatch.setattr(
-        kernels._Compiled,
+        CompiledKernel,
         "__call__",
         lambda self, grid, args, consts, num_warps, stream, key=None: ptx.append(
             compiler._compile(self, args, consts, num_warps).asm["ptx"]
         ),
     )
-    monkeypatch.setattr(kernels._Compiled, "direct", True, raising=False)
+    monkeypatch.setattr(CompiledKernel, "direct", True, raising=False)
     W, E, n = 2, 1024, 8
     out = torch.zeros((n, E), dtype=torch.bfloat16)
     inp = torch.zeros((n, E), dtype=torch.bfloat16)

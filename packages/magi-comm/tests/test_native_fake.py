@@ -1,4 +1,4 @@
-"""The native backend end to end in a fake world (ranks = threads, see ``native_fake``).
+"""The native backend end to end in a fake world (ranks = threads, see ``magi_comm.testing.native_fake``).
 
 Exercises NativeBackend exactly as on GPUs minus the device: bootstrap, symmetric buffers,
 rounds (tiny buffer), collective growth, ready / ack signalling between concurrent ranks,
@@ -8,104 +8,14 @@ fused and staged reductions, async works, close and shutdown; results against th
 import dataclasses
 import random
 
-import magi_comm_testlib as lib
-import native_fake
 import pytest
 import torch
 
+import magi_comm.testing as lib
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends import native
 from magi_comm.backends.native import NativeBackend, NativeConfig
-
-
-def _cases(world: int, seed: int, n: int, big: bool):
-    rng = random.Random(seed)
-    out = []
-    for k in range(n):
-        lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
-        row = rng.choice([(16384,), (2, 8192)]) if big else rng.choice([(), (3,), (2, 3), (4, 16)])
-        case = {"layout": lay, "seed": seed * 1000 + k, "row_shape": row, "async": rng.random() < 0.3}
-        if k % 2 == 0:
-            case.update(kind="cast", dtype=rng.choice(["float32", "bfloat16", "int16", "bool", "int64"]))
-            # symmetric outputs: which ranks cast into one (direct mode), at which row offset
-            case.update(
-                direct=rng.random() < 0.6, direct_bits=rng.randrange(1 << world), lead=rng.choice([0, 0, 1])
-            )
-        else:
-            op = rng.choice(["sum", "avg", "lse"])
-            case.update(kind="reduce", op=op, acc=rng.random() < 0.5)
-            # symmetric inputs: which ranks reduce from one (peers may read it in place), at
-            # which row offset (not 16-byte aligned for small rows: then the rows are sent)
-            case.update(
-                pull=rng.random() < 0.6, pull_bits=rng.randrange(1 << world), lead=rng.choice([0, 0, 1])
-            )
-            case["dtype"] = rng.choice(["float32", "bfloat16", "float64", "float16"])
-            if op == "lse" and len(row) < 2:
-                case["row_shape"] = (2, 3)
-        out.append(case)
-    return out
-
-
-def _run_cast(be, case, rank, world):
-    lay, dtype = case["layout"], lib.DTYPES[case["dtype"]]
-    inputs = [lib.rank_data(case, r, sum(lay.in_sizes[r]), dtype) for r in range(world)]
-    ins, outs, dst, src = lay.cast_args(rank)
-    plan = build_cast_plan(ins, outs, dst, src, rank, world)
-    out = torch.zeros((sum(outs), *case["row_shape"]), dtype=dtype)
-    sym = None
-    if case.get("direct"):
-        # collective; every rank allocates, the ranks in direct_bits cast into it (a row range
-        # starting `lead` rows in: not 16-byte aligned for small rows, then regions are used)
-        sym = be.empty_output((sum(outs) + 1, *case["row_shape"]), dtype)
-        if case["direct_bits"] >> rank & 1:
-            out = sym[case["lead"] : case["lead"] + sum(outs)]
-            out.fill_(0)
-    elif case["async"] and out.dim() > 1 and out.shape[0] > 1:
-        out = out.t().contiguous().t() if out.dim() == 2 else out  # non-contiguous output
-    be.group_cast(inputs[rank], out, plan, case["async"]).wait()
-    exp = lib.cast_oracle(lay, inputs, rank, out)
-    assert torch.equal(out, exp), (rank, case)
-    if sym is not None:
-        be.free_output(sym)
-
-
-def _run_reduce(be, case, rank, world):
-    lay, dtype, op, acc = case["layout"], lib.DTYPES[case["dtype"]], case["op"], case["acc"]
-    ins, outs, dst, src = lay.reduce_args(rank)
-    plan = build_reduce_plan(ins, outs, dst, src, rank, world)
-    inputs = [lib.rank_data(case, r, sum(lay.out_sizes[r]), dtype) for r in range(world)]
-    rows = sum(lay.in_sizes[rank])
-    old = lib.rank_data(case, rank, rows, dtype, salt=1)
-    out = old.clone()
-    sym = src = None
-    if case.get("pull"):
-        # collective; the ranks in pull_bits reduce from a row range of a symmetric tensor
-        n = inputs[rank].shape[0]
-        sym = be.empty_output((n + 1, *case["row_shape"]), dtype)
-        if case["pull_bits"] >> rank & 1:
-            src = sym[case["lead"] : case["lead"] + n]
-            src.copy_(inputs[rank])
-    if op == "lse":
-        in_lses = [lib.rank_lse(case, r, sum(lay.out_sizes[r])) for r in range(world)]
-        old_lse = lib.rank_lse(case, rank, rows, salt=1)
-        out_lse = old_lse.clone()
-        be.group_reduce(inputs[rank], out, plan, case["async"], op, in_lses[rank], out_lse, acc).wait()
-        exp, exp_lse = lib.reduce_oracle_lse(lay, inputs, in_lses, rank, old, old_lse, acc)
-        tol = {torch.float32: 1e-5, torch.float64: 1e-10}.get(dtype, 1e-2)
-        torch.testing.assert_close(out_lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.double(), exp, rtol=tol, atol=tol)
-    else:
-        own = inputs[rank] if src is None else src
-        be.group_reduce(own, out, plan, case["async"], op, None, None, acc).wait()
-        exp = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, op, acc)
-        assert torch.equal(out, exp), (rank, case)
-        assert torch.equal(own, inputs[rank])  # read in place, never written
-    if sym is not None:
-        be.free_output(sym)  # collective: also waits until every peer is done reading it
-
-
-def _run(be, case, rank, world):
-    (_run_cast if case["kind"] == "cast" else _run_reduce)(be, case, rank, world)
+from magi_comm.testing import native_cases, native_fake
 
 
 @pytest.mark.parametrize(
@@ -119,12 +29,12 @@ def _run(be, case, rank, world):
         (3, False, False),
     ],
 )
-def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
+def test_native_backend_in_fake_world(world, fused, handshake):
     """``handshake``: calls of one round signal inside the (fake) kernels, the others through
     the host's NVSHMEM operations; both serve the same pairs in one run (rounds: big rows)."""
-    fw = native_fake.installed(monkeypatch, world)
-    small = _cases(world, 100 + world, 24, big=False)
-    big = _cases(world, 200 + world, 10, big=True)  # 64 KiB rows, 1 MiB buffer: rounds
+    fw = native_fake.FakeWorld(world)
+    small = native_cases.draw(world, 100 + world, 24, big=False)
+    big = native_cases.draw(world, 200 + world, 10, big=True)  # 64 KiB rows, 1 MiB buffer: rounds
     mib = 1 << 20
 
     def rank_fn(rank):
@@ -132,15 +42,17 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
         with NativeBackend("group", rank, world, cfg) as be, NativeBackend("group", rank, world, cfg) as be2:
             assert be._state is be2._state  # one state per group
             for case in small:
-                _run(be, case, rank, world)
+                native_cases.run(be, case, rank, world)
             for i, case in enumerate(big):
-                _run(be2 if i % 2 else be, case, rank, world)
+                native_cases.run(be2 if i % 2 else be, case, rank, world)
             before = be.capacity
             # a 2 MiB row does not fit a region: every rank grows at the same call
-            _run(be, dict(big[0], row_shape=(1, 1 << 19), kind="cast", dtype="float32"), rank, world)
+            native_cases.run(
+                be, dict(big[0], row_shape=(1, 1 << 19), kind="cast", dtype="float32"), rank, world
+            )
             assert world == 1 or be.capacity > before
             for case in small[:6]:
-                _run(be, case, rank, world)
+                native_cases.run(be, case, rank, world)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
@@ -162,14 +74,14 @@ def test_native_backend_in_fake_world(monkeypatch, world, fused, handshake):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_receive_steps_take_rows_as_they_arrive(monkeypatch, world):
+def test_receive_steps_take_rows_as_they_arrive(world):
     """Overlap with chunks of one block: the send kernels report every block of pairs that
     move at least OVERLAP_MIN_CHUNKS blocks, the receive copies and fused reductions (other
     threads) wait block by block / tile by tile for the rows they read (by progress, or by
     the ready signal for the smaller pairs); results against the oracle. Off (chunk 0):
     nothing runs beside."""
-    fw = native_fake.installed(monkeypatch, world)
-    small = _cases(world, 300 + world, 16, big=False)
+    fw = native_fake.FakeWorld(world)
+    small = native_cases.draw(world, 300 + world, 16, big=False)
 
     def rank_fn(rank, chunk):
         cfg = NativeConfig(
@@ -177,7 +89,7 @@ def test_receive_steps_take_rows_as_they_arrive(monkeypatch, world):
         )
         with NativeBackend("group", rank, world, cfg) as be:
             for case in small:
-                _run(be, case, rank, world)
+                native_cases.run(be, case, rank, world)
         native.shutdown()
 
     native_fake.run_ranks(fw, lambda rank: rank_fn(rank, 16))
@@ -217,14 +129,14 @@ def _cast_into(be, lay, plan, rank, out, salt) -> None:
     assert torch.equal(out, lib.cast_oracle(lay, inputs, rank, out)), (rank, salt)
 
 
-def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
+def test_direct_cast_reuses_and_switches_outputs():
     """Casts of one plan into symmetric outputs A, B and a plain one, in the order A A B A C A,
     then a reduce and A again: A's map is put once, not again for a repeat (also across the
     reduce, whose arm carries no map), and again after B (the sources hold B's map then);
     every result equals the oracle. A repeat is one kernel launch: no NVSHMEM operation (the
     handshake is in the kernel)."""
     world = 3
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     lay = _dense_layout(world)
 
     def rank_fn(rank):
@@ -256,12 +168,12 @@ def test_direct_cast_reuses_and_switches_outputs(monkeypatch):
     native_fake.run_ranks(fw, rank_fn)
 
 
-def test_reused_slot_gets_a_fresh_map(monkeypatch):
+def test_reused_slot_gets_a_fresh_map():
     """A cast into A[16:], then A freed and B allocated in the same slot so that B[8:] has the
     same address as A[16:] (addresses steered in the fake heap): the map names B's offset, not
     the cached one of A (the cache key carries the slot's generation)."""
     world = 2
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     lay = _dense_layout(world)
 
     def rank_fn(rank):
@@ -284,11 +196,11 @@ def test_reused_slot_gets_a_fresh_map(monkeypatch):
     native_fake.run_ranks(fw, rank_fn)
 
 
-def test_too_many_splits_for_a_map_use_the_regions(monkeypatch):
+def test_too_many_splits_for_a_map_use_the_regions():
     """A receiver whose peer sends more splits than NativeConfig.map_entries stays on the
     receive regions (no direct write), with the same result."""
     world = 2
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     lay = _dense_layout(world)  # three splits per pair
 
     def rank_fn(rank):
@@ -303,18 +215,18 @@ def test_too_many_splits_for_a_map_use_the_regions(monkeypatch):
     assert fw.direct_writes == 0
 
 
-def test_symmetric_outputs(monkeypatch):
+def test_symmetric_outputs():
     """empty_output: shapes may differ per rank, tensors are freed collectively (explicitly or
     by close), bad frees are refused, and the slot limit names its setting."""
-    fw = native_fake.installed(monkeypatch, 2)
+    fw = native_fake.FakeWorld(2)
 
     def rank_fn(rank):
         cfg = NativeConfig(buffer_bytes=1 << 20, max_outputs=2)
         be = NativeBackend("group", rank, 2, cfg)
         a = be.empty_output((3 + rank, 4), torch.float32)
         assert a.shape == (3 + rank, 4) and a.dtype == torch.float32
-        assert be._state.output_index(a[1:]) == be._state.output_index(a) is not None
-        assert be._state.output_index(torch.zeros(3)) is None
+        assert be._state.outputs.index(a[1:]) == be._state.outputs.index(a) is not None
+        assert be._state.outputs.index(torch.zeros(3)) is None
         b = be.empty_output((5,), torch.bfloat16)
         with pytest.raises(RuntimeError, match="max_outputs"):
             be.empty_output((1,), torch.int8)
@@ -335,12 +247,12 @@ def test_symmetric_outputs(monkeypatch):
     native_fake.run_ranks(fw, rank_fn)
 
 
-def test_second_group_is_refused(monkeypatch):
-    fw = native_fake.installed(monkeypatch, 1)
+def test_second_group_is_refused():
+    fw = native_fake.FakeWorld(1)
 
     def rank_fn(rank):
         be = NativeBackend("group", 0, 1)
-        native.dist.get_process_group_ranks = lambda group: [0] if group == "group" else [5]
+        fw.dist.get_process_group_ranks = lambda group: [0] if group == "group" else [5]
         with pytest.raises(native.BackendUnavailableError, match="belongs to the group"):
             NativeBackend("other", 0, 1)
         with pytest.raises(RuntimeError, match="still open"):
@@ -363,7 +275,7 @@ def test_group_stream_priority(monkeypatch, env, expect):
         monkeypatch.setenv(native.ENV_STREAM_PRIORITY, env)
     cfg = NativeConfig.from_env()
     assert cfg.stream_priority == expect
-    fw = native_fake.installed(monkeypatch, 2)
+    fw = native_fake.FakeWorld(2)
     seen = []
 
     def rank_fn(rank):
@@ -409,10 +321,10 @@ def test_device_handshake_from_env(monkeypatch, off):
     assert not NativeConfig.from_env().device_handshake
 
 
-def test_backend_builds_copy_launches_with_the_configured_cap(monkeypatch):
+def test_backend_builds_copy_launches_with_the_configured_cap():
     """Every copy launch of the backend (sends and receive copies) gets config.max_programs."""
     world = 2
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     lay = _dense_layout(world)
 
     def rank_fn(rank):
@@ -426,14 +338,14 @@ def test_backend_builds_copy_launches_with_the_configured_cap(monkeypatch):
 
 
 @pytest.mark.parametrize("handshake", [True, False])
-def test_pull_with_ranks_switching_between_fused_and_staged(monkeypatch, handshake):
+def test_pull_with_ranks_switching_between_fused_and_staged(handshake):
     """Reduces from symmetric inputs where each rank takes the fused reduction (accepts pulls,
     reads peers' inputs in place) or the staged one (does not accept) by its own choice, and
     switches from call to call: every result equals the oracle, inputs stay untouched, rows
     are read in place only where the receiver accepted, and no rank waits for a DONE its
     destination will not send (a sender waits only where this call's send left its rows)."""
     world = 3
-    fw = native_fake.installed(monkeypatch, world)
+    fw = native_fake.FakeWorld(world)
     lay = _dense_layout(world)
     cfg = {fused: NativeConfig(buffer_bytes=1 << 20, fused_reduce=fused, device_handshake=handshake)
            for fused in (True, False)}  # fmt: skip

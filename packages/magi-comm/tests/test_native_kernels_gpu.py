@@ -8,10 +8,11 @@ the transport between GPUs (``gpu_native_check.py`` does that on two).
 
 import random
 
-import magi_comm_testlib as lib
-import native_sim
 import pytest
 import torch
+
+import magi_comm.testing as lib
+from magi_comm.testing import native_sim
 
 pytestmark = pytest.mark.gpu
 

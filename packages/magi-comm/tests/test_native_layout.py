@@ -1,6 +1,6 @@
 """CPU tests of the native backend's pure parts: regions, rounds, copy tasks, blocks, growth.
 
-The transport of all ranks is simulated in-process (``native_sim``) and compared with the
+The transport of all ranks is simulated in-process (``magi_comm.testing.native_sim``) and compared with the
 oracle (cast) and with the a2av receive buffer (reduce, which the shared reduction then turns
 into bitwise identical results). When triton is installed the same simulation also runs the
 real copy kernel under ``TRITON_INTERPRET=1`` in a subprocess.
@@ -11,17 +11,15 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
-import magi_comm_testlib as lib
-import native_sim
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import magi_comm.testing as lib
 from magi_comm._plan import build_cast_plan, build_reduce_plan
-from magi_comm.backends._native_layout import (
+from magi_comm.backends.native.layout import (
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
@@ -29,22 +27,18 @@ from magi_comm.backends._native_layout import (
     TaskTable,
     _runs,
     apply_blocks,
-    arrival_order,
-    build_reduce_terms,
     build_schedule,
     bytes_needed,
     field_offsets,
     grown_capacity,
-    recv_waits,
-    reduce_waits,
     region_index,
     region_rows,
-    send_progress,
     to_blocks,
     word_size,
 )
-
-HERE = Path(__file__).resolve().parent
+from magi_comm.backends.native.progress import arrival_order, recv_waits, reduce_waits, send_progress
+from magi_comm.backends.native.terms import build_reduce_terms
+from magi_comm.testing import native_sim
 
 
 @settings(max_examples=80, deadline=None)
@@ -193,8 +187,7 @@ def test_registering_native_imports_no_gpu_stack():
         "from magi_comm.backends import available_backends\n"
         "assert 'native' in available_backends()\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -212,14 +205,9 @@ def test_kernel_under_triton_interpreter(entry):
     """The copy kernel (``main_triton``, its handshake, progress and publish steps) and the fused
     reduction (``main_triton_reduce``: also reading pulled rows in place and its DONE step) on
     CPU tensors under TRITON_INTERPRET=1, in a subprocess."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    subprocess.run(
-        [sys.executable, "-c", f"import native_sim; native_sim.{entry}()"],
-        check=True,
-        env=env,
-        timeout=600,
-        cwd=str(HERE),
-    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = f"from magi_comm.testing import native_sim; native_sim.{entry}()"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
 
 
 @settings(max_examples=60, deadline=None)

@@ -5,11 +5,11 @@ Cheap enough for hypothesis to explore many layouts and larger worlds than the g
 
 import random
 
-import magi_comm_testlib as lib
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import magi_comm.testing as lib
 from magi_comm._plan import _expand_ranges, build_cast_plan, build_reduce_plan
 
 layouts = st.builds(

@@ -3,12 +3,12 @@
 import datetime
 import random
 
-import magi_comm_testlib as lib
 import pytest
 import torch
 import torch.distributed as dist
 
 import magi_comm
+import magi_comm.testing as lib
 from magi_comm import BackendUnavailableError, GroupCollective, group_cast, group_reduce
 
 

@@ -1,7 +1,10 @@
 """Shared test helpers: random global layouts, brute-force oracles, the gloo worker.
 
-Lives in a plain module (put on sys.path by conftest.py) so that spawned worker processes can
-import the worker function by name.
+Part of the installed package (``magi_comm.testing``), so that spawned worker processes can
+import the worker function by name. The native backend's simulations live beside it:
+:mod:`magi_comm.testing.native_sim` (every rank's transport in one process, the kernels under
+the Triton interpreter) and :mod:`magi_comm.testing.native_fake` (the backend end to end with
+ranks as threads).
 
 A *layout* is the GLOBAL description of one group_cast: every rank's input splits with their
 destination sets, and every rank's output splits with their source, interleaved at random but

@@ -13,23 +13,25 @@ import ctypes
 import random
 import sys
 
-import magi_comm_testlib as lib
 import torch
 
+import magi_comm.testing as lib
 from magi_comm._plan import build_cast_plan, build_reduce_plan
-from magi_comm.backends._native_layout import (
+from magi_comm.backends.native.layout import (
     SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
     TaskTable,
     apply_blocks,
-    build_pull_terms,
-    build_reduce_terms,
     build_schedule,
-    publish_row,
-    publish_table,
     region_index,
     to_blocks,
+)
+from magi_comm.backends.native.terms import (
+    build_pull_terms,
+    build_reduce_terms,
+    publish_row,
+    publish_table,
     unpack_pull_term,
 )
 
@@ -45,7 +47,7 @@ def _copy(use_triton: bool, max_programs: int = 0):
     if not use_triton:
         return apply_blocks
 
-    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends.native.kernels import CopyLaunch
 
     fence = torch.zeros(4, dtype=torch.int32)
 
@@ -201,7 +203,7 @@ def main_triton(n: int = 12) -> None:
             direct_ranks=direct,
             max_programs=rng.choice([0, 3]),
         )
-    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends.native.kernels import CopyLaunch
 
     ten_blocks = to_blocks(TaskTable(torch.tensor([0]), torch.tensor([40]), torch.tensor([[-1, 0]])), 1, 4)
     assert ten_blocks.num_blocks == 10
@@ -277,7 +279,7 @@ def _satisfied_signals(W: int, R: int, salt: int) -> tuple[torch.Tensor, tuple[i
     """A signal array where every source's rows are in place (by PROGRESS for some sources, by
     READY for the others) and the matching per-source words (the interpreter runs one program
     at a time: a wait must already be satisfied)."""
-    from magi_comm.backends import _native_protocol as proto
+    from magi_comm.backends.native import protocol as proto
 
     sig = torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64)
     for s in range(W):
@@ -355,9 +357,9 @@ def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, a
     """Rank ``r``'s fused reduction by the Triton kernel on ``device`` (see check_fused_reduce),
     with its DONE step: every source gets epoch 3 + r; our send of this call (epoch 5) left its
     rows to the even destinations, which already signalled DONE. Returns the output (CPU)."""
-    from magi_comm.backends import _native_protocol as proto
-    from magi_comm.backends._native_kernels import launch_reduce, reduce_tile_rows
-    from magi_comm.backends._native_layout import arrival_order, reduce_waits
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import launch_reduce, reduce_tile_rows
+    from magi_comm.backends.native.progress import arrival_order, reduce_waits
 
     W = len(plans)
     term_row, term_self, nterms = terms
@@ -425,8 +427,8 @@ def main_triton_handshake() -> None:
     already in its signal array (the interpreter runs one program at a time: a wait that is
     not yet satisfied would spin forever), so the test checks the signals it adds, that the
     finished-program counter returns to 0, and that the rows still arrive."""
-    from magi_comm.backends import _native_protocol as proto
-    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import CopyLaunch
 
     W, me, n = 3, 1, 16
     sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
@@ -481,16 +483,16 @@ def main_triton_handshake() -> None:
 
 def main_triton_overlap() -> None:
     """Entry point: the send kernel's progress reports and the receive copy's waits under
-    TRITON_INTERPRET=1 (see _native_protocol, "Progress").
+    TRITON_INTERPRET=1 (docs/native.md, "Receive copy beside the transfer").
 
     Rank 1 of 3 sends 24 words (rows of 2 words, blocks of 4) to peers 0 and 2 and itself
     with a grid of 2 programs and chunks of 2 blocks: peer 0's and peer 2's PROGRESS slot for
     rank 1 end at (epoch, 12 rows), every chunk's counter back at 0. Then a receive copy out of
     rank 1's own regions waits for sources 0 and 2, whose rows the signal array already
     reports (one by PROGRESS, one by READY), and moves the rows."""
-    from magi_comm.backends import _native_protocol as proto
-    from magi_comm.backends._native_kernels import CopyLaunch
-    from magi_comm.backends._native_layout import recv_waits, send_progress
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import CopyLaunch
+    from magi_comm.backends.native.progress import recv_waits, send_progress
 
     W, me, n, rw, R = 3, 1, 24, 2, 16
     sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
@@ -554,8 +556,8 @@ def main_triton_publish(device: str = "cpu") -> None:
     the header-0 table (a plain input) sends to both and clears peer 0's header. ``device``:
     where the kernel runs (the interpreter on "cpu"; twice per launch on a GPU, the second
     through the cached compiled kernel)."""
-    from magi_comm.backends import _native_protocol as proto
-    from magi_comm.backends._native_kernels import CopyLaunch
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import CopyLaunch
 
     W, me, n, width = 3, 1, 8, 4
 

@@ -1,0 +1,156 @@
+"""The native backend's settings: :class:`NativeConfig` and the environment variables it reads.
+
+What each setting trades: ``packages/magi-comm/docs/native.md``; the variables are listed in
+magi-comm's README.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import BackendUnavailableError
+
+__all__ = [
+    "ENV_BUFFER_MB",
+    "ENV_DEVICE_HANDSHAKE",
+    "ENV_FUSED_REDUCE",
+    "ENV_MAX_PROGRAMS",
+    "ENV_OVERLAP_CHUNK_KB",
+    "ENV_STREAM_PRIORITY",
+    "MIB",
+    "OVERLAP_MIN_CHUNKS",
+    "NativeConfig",
+    "unavailable",
+]
+
+ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
+ENV_FUSED_REDUCE = "MAGI_COMM_NATIVE_FUSED_REDUCE"
+ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
+ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
+ENV_DEVICE_HANDSHAKE = "MAGI_COMM_NATIVE_DEVICE_HANDSHAKE"
+ENV_OVERLAP_CHUNK_KB = "MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB"
+MIB = 1 << 20
+OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
+CONSUMER_PROGRAMS = 128  # grid of a waiting receive step when max_programs is 0 (unbounded)
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """Sizes of the native backend.
+
+    Attributes:
+        buffer_bytes: symmetric receive buffer per rank (bytes, same on all ranks). A call
+            whose pair moves more than ``buffer_bytes / (W - 1)`` bytes runs in rounds.
+        block_bytes: bytes copied by one kernel program (power of two, >= 16).
+        num_warps: warps per kernel program.
+        growth_factor: buffer growth factor when a single row does not fit.
+        fused_reduce: reduce ``sum`` / ``avg`` with the fused kernel straight from the
+            receive regions when every pair fits one region (``$MAGI_COMM_NATIVE_FUSED_REDUCE=0``
+            turns it off: rows then go through the receive scratch and the shared torch
+            reduction, like the staged path used for ``lse`` and for calls in rounds).
+        map_entries: most splits a receiver in direct mode takes from one peer in one
+            group_cast (its map of split offsets must fit the peer's map row); a call with more
+            goes through the receive regions.
+        max_outputs: most symmetric outputs (:meth:`NativeBackend.empty_output`) alive at once.
+        stream_priority: CUDA priority of the group stream the transfers run on (lower is more
+            urgent; ``$MAGI_COMM_NATIVE_STREAM_PRIORITY``). The default, -1, lets the copy
+            kernel's programs take SMs as soon as programs of a kernel running beside it (the
+            attention kernel of the stage being overlapped) retire; at 0 the block scheduler
+            runs the earlier kernel's remaining programs first, so a cast issued beside a long
+            kernel waits for that kernel's last wave.
+        max_programs: most programs (CTAs) of one copy-kernel launch; they stride over the
+            blocks (``$MAGI_COMM_NATIVE_MAX_PROGRAMS``; 0: one program per block). With one
+            program per block a copy takes every SM that a kernel running beside it frees
+            until the copy is done, so an attention stage overlapped with a cast runs about
+            as long as the two back to back. With the default, 128, the two overlap (measured
+            in docs/perf.md, "overlap" in the magi-dist section); the likely mechanism, not
+            measured: the capped grid packs the copy onto the few SMs that free up first
+            (several programs fit one SM).
+        device_handshake: calls of one round and one tensor signal and wait inside the
+            kernels (docs/native.md, "Handshake in the kernels") instead of through
+            NVSHMEM's on-stream signal and wait operations, each a kernel launch of its own
+            (``$MAGI_COMM_NATIVE_DEVICE_HANDSHAKE=0`` turns it off). A cast into a symmetric
+            output is then two launches per call (five on the host path).
+        overlap_chunk_bytes: with the kernel handshake, the receive copy of a cast into a
+            plain output runs beside the send kernel, on a second stream, and takes the peers'
+            rows as they arrive: the send kernel reports its progress after every chunk of
+            this many bytes of blocks, and the receiving programs wait for the rows they read
+            (``$MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB``; 0: the receive copy follows the whole
+            transfer, in stream order). Only pairs that move at least ``OVERLAP_MIN_CHUNKS``
+            chunks report progress (each report costs every sending program a system-scope
+            fence; below that the overlap measured slower, docs/perf.md); the receiver waits
+            for the other pairs' rows through their ready signal.
+        overlap_reduce: the fused reduction runs beside the send kernel the same way (off: on
+            2x H200 it measured slower than the reduction after the transfer, docs/perf.md:
+            its programs, bounded in number because they wait, reduce at a lower rate).
+    """
+
+    buffer_bytes: int = 256 * MIB
+    block_bytes: int = 16384
+    num_warps: int = 8
+    growth_factor: float = 2.0
+    fused_reduce: bool = True
+    map_entries: int = 8192
+    max_outputs: int = 64
+    stream_priority: int = -1
+    max_programs: int = 128
+    device_handshake: bool = True
+    overlap_chunk_bytes: int = 8 * MIB
+    overlap_reduce: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_programs < 0:
+            raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {self.max_programs}")
+        if self.overlap_chunk_bytes < 0:
+            raise ValueError(
+                f"overlap_chunk_bytes must be >= 0 (0: no overlap), got {self.overlap_chunk_bytes}"
+            )
+
+    @staticmethod
+    def from_env() -> NativeConfig:
+        """The defaults, overridden by the ``MAGI_COMM_NATIVE_*`` variables that are set; a bad
+        value raises ValueError naming its variable."""
+        off = ("0", "false", "no", "off")
+        kw = {
+            field: os.environ.get(env, "1").strip().lower() not in off
+            for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
+        }
+        scale = {"overlap_chunk_bytes": 1024}
+        for field, env in (
+            ("stream_priority", ENV_STREAM_PRIORITY),
+            ("max_programs", ENV_MAX_PROGRAMS),
+            ("overlap_chunk_bytes", ENV_OVERLAP_CHUNK_KB),
+        ):
+            value = os.environ.get(env, "").strip()
+            if value:
+                try:
+                    kw[field] = int(value) * scale.get(field, 1)
+                except ValueError:
+                    raise ValueError(f"${env} must be an integer, got {value!r}") from None
+        mb = os.environ.get(ENV_BUFFER_MB)
+        if mb:
+            try:
+                kw["buffer_bytes"] = int(float(mb) * MIB)
+            except ValueError:
+                raise ValueError(f"${ENV_BUFFER_MB} must be a number of MiB, got {mb!r}") from None
+            if kw["buffer_bytes"] <= 0:
+                raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
+        try:
+            return NativeConfig(**kw)
+        except ValueError as e:  # name the variable the bad value came from
+            env = ENV_MAX_PROGRAMS if "max_programs" in str(e) else ENV_OVERLAP_CHUNK_KB
+            raise ValueError(f"${env}: {e}") from None
+
+    def aligned_buffer_bytes(self) -> int:
+        """``buffer_bytes`` rounded up to whole MiB (at least one)."""
+        return max(MIB, (self.buffer_bytes + MIB - 1) // MIB * MIB)
+
+
+def unavailable(reason: str) -> BackendUnavailableError:
+    """The error for a native backend that cannot run here, with ``reason`` and the way out."""
+    return BackendUnavailableError(
+        f"magi_comm backend 'native' is unavailable: {reason}. It needs CUDA GPUs of one node and "
+        f"the [native] extra (nvshmem4py-cu13) and triton (part of CUDA builds of torch); use backend='a2av' (the default) or unset "
+        f"MAGI_COMM_BACKEND."
+    )

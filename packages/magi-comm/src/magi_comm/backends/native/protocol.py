@@ -1,0 +1,100 @@
+"""The signalling protocol's constants: signal slots, handshake step bits, packed per-peer words.
+
+Pure Python (no triton): the host path, the kernels and the CPU fakes share these definitions.
+What the slots mean and who raises them: ``packages/magi-comm/docs/native.md`` ("Signals").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ACK",
+    "ARM",
+    "ARM_AND_WAIT",
+    "AWAIT_ROWS",
+    "DONE",
+    "MAX_REPORTING_PROGRAMS",
+    "NUM_SIGNALS",
+    "PEER_WORDS",
+    "PROGRESS",
+    "PULL_ACCEPT",
+    "READY",
+    "READY_END",
+    "SIGNAL_PROGRESS",
+    "WAIT_READY_END",
+    "Handshake",
+    "pack_done",
+    "pack_peer",
+    "progress_value",
+    "unpack_peer",
+]
+
+# Rows of a rank's int64 signal array (NUM_SIGNALS, W); slot (kind, c) holds what peer c raised.
+READY, ACK, ARM, PROGRESS, DONE = 0, 1, 2, 3, 4
+NUM_SIGNALS = 5
+
+PULL_ACCEPT = 1  # a receiver's accept word: leave my rows in your input, I read them there
+
+# Handshake steps a kernel launch performs itself (bits of its ``sync`` argument).
+ARM_AND_WAIT = 1  # start: program 0 arms the sources, every program awaits the destinations' arms
+READY_END = 2  # end: the last program signals READY to the destinations
+WAIT_READY_END = 4  # end: the last program then awaits the sources' READY
+SIGNAL_PROGRESS = 8  # send kernel: raise the destinations' PROGRESS slots chunk by chunk
+AWAIT_ROWS = 16  # receive copy / fused reduction: wait for each source's rows before reading them
+
+PEER_WORDS = 8  # packed per-peer words a kernel takes (MAX_PEERS)
+MAX_REPORTING_PROGRAMS = 1024  # copying programs of a send launch that reports its progress
+_TAG = 1 << 62
+_ARM_BITS = 30  # arm_wait < 2**30, ready_wait < 2**31: a billion calls per pair
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Where a kernel performs the handshake: fixed for a group's lifetime.
+
+    Attributes:
+        sig: address of this rank's int64 ``(NUM_SIGNALS, W)`` signal array.
+        sig_peers: address of an int64 ``(W,)`` device table: peer ``c``'s signal array as
+            this rank's NVLink-mapped address (its own for ``c == rank``).
+        counter: address of a local int32, zero between launches (finished programs).
+        rank: this rank (the slot index it signals into on peers).
+    """
+
+    sig: int
+    sig_peers: int
+    counter: int
+    rank: int
+
+
+def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False) -> int:
+    """One peer's word for a handshake launch: the ``ARM`` count to wait for (it is a
+    destination when > 0), the ``READY`` count to wait for (a source when > 0), and whether
+    this launch arms it."""
+    if not (0 <= arm_wait < 1 << _ARM_BITS and 0 <= ready_wait < 1 << 31):
+        raise ValueError(f"signal counts out of range: arm_wait={arm_wait}, ready_wait={ready_wait}")
+    return _TAG | arm_wait << 32 | ready_wait << 1 | int(bool(arm_now))
+
+
+def unpack_peer(word: int) -> tuple[int, int, bool]:
+    """Inverse of :func:`pack_peer`: ``(arm_wait, ready_wait, arm_now)``."""
+    return (word >> 32) & ((1 << _ARM_BITS) - 1), (word >> 1) & ((1 << 31) - 1), bool(word & 1)
+
+
+def pack_done(dst_epoch: int = 0, src_epoch: int = 0) -> int:
+    """One peer's word for the fused reduction's end step: the pair's epoch as a destination
+    of this rank (> 0: wait for its ``DONE`` if it pulled this rank's rows) and as a source
+    (> 0: raise its ``DONE`` slot if this rank pulled its rows). Same layout as
+    :func:`pack_peer` (``arm_wait``, ``ready_wait``)."""
+    return pack_peer(dst_epoch, src_epoch)
+
+
+def progress_value(epoch: int, rows: int) -> int:
+    """A ``PROGRESS`` slot value: call ``epoch`` of the pair has its first ``rows`` region rows
+    in place (ordered by epoch first, so the slot only ever grows)."""
+    if not (0 <= epoch < 1 << _ARM_BITS and 0 <= rows < 1 << 32):
+        raise ValueError(f"progress out of range: epoch={epoch}, rows={rows}")
+    return epoch << 32 | rows
+
+
+IDLE_WORD = pack_peer()  # a peer the launch neither waits for nor signals

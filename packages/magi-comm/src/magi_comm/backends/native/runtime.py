@@ -1,0 +1,117 @@
+"""The process's NVSHMEM runtime: bootstrapped once from a torch.distributed group, one per process.
+
+NVSHMEM allocations are collective over all PEs, so the first group that creates a native
+backend owns the runtime and another group is refused. ``packages/magi-comm/docs/native.md``
+("Runtime").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import NativeConfig, unavailable
+from .platform import CudaPlatform, process_platform
+
+if TYPE_CHECKING:
+    from .group_state import GroupState
+
+__all__ = ["Runtime", "peer_view", "shutdown"]
+
+logger = logging.getLogger(__name__)
+
+
+class Runtime:
+    """The process's NVSHMEM runtime and the state of the group it serves.
+
+    Attributes:
+        platform: where the runtime came from (its ``runtime`` is this object).
+        members: global ranks of the group that bootstrapped it.
+        rank, world: this process's PE and the number of PEs (= group rank and size).
+        device: CUDA ordinal of this process's GPU.
+        nvc, nvb: ``nvshmem.core`` and ``nvshmem.bindings``.
+        states: the group's shared state (at most one entry: the members), while backends use it.
+    """
+
+    def __init__(
+        self, platform, members: tuple[int, ...], rank: int, world: int, device: int, nvc, nvb
+    ) -> None:
+        self.platform = platform
+        self.members = members
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.nvc = nvc
+        self.nvb = nvb
+        self.states: dict[tuple[int, ...], GroupState] = {}
+
+    @classmethod
+    def acquire(cls, platform, group, rank: int, world: int, config: NativeConfig) -> Runtime:
+        """The platform's runtime, bootstrapped from ``group`` on first use (collective then:
+        rank 0 creates the unique id, a broadcast hands it out). Raises
+        :class:`~magi_comm.BackendUnavailableError` for another group or without nvshmem4py."""
+        dist = platform.dist
+        members = tuple(dist.get_process_group_ranks(group))
+        with platform.lock:
+            rt = platform.runtime
+            if rt is not None:
+                if rt.members != members:
+                    raise unavailable(
+                        f"this process's NVSHMEM runtime belongs to the group of global ranks "
+                        f"{list(rt.members)}; a native backend for the group {list(members)} would need "
+                        f"collective NVSHMEM allocations over other ranks (one runtime per process)"
+                    )
+                return rt
+            # The symmetric heap must hold the buffer and its growth.
+            heap = max(1 << 30, 4 * config.aligned_buffer_bytes())
+            try:
+                nvc, nvb, Device = platform.nvshmem(heap)
+            except ImportError as e:
+                raise unavailable(f"nvshmem4py / cuda.core cannot be imported ({e})") from e
+            device = platform.cuda.current_device()
+            dev = Device(device)
+            dev.set_current()
+            uid = nvc.get_unique_id(empty=rank != 0)
+            box = [uid if rank == 0 else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            nvc.init(device=dev, uid=box[0], rank=rank, nranks=world, initializer_method="uid")
+            if nvc.my_pe() != rank or nvc.n_pes() != world:
+                raise RuntimeError(
+                    f"magi_comm native: NVSHMEM PE {nvc.my_pe()}/{nvc.n_pes()} != group rank {rank}/{world}"
+                )
+            logger.info("magi_comm native: NVSHMEM %s initialized, PE %d/%d", nvc.get_version(), rank, world)
+            rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb)
+            return rt
+
+
+def shutdown(platform: CudaPlatform | None = None) -> None:
+    """Finalize the NVSHMEM runtime (collective). All native backends must be closed first.
+
+    ``platform``: the one the backends were created with (default: this process's)."""
+    platform = platform or process_platform()
+    with platform.lock:
+        rt = platform.runtime
+        if rt is None:
+            return
+        if rt.states:
+            raise RuntimeError(
+                "magi_comm native: shutdown() with native backends still open; close them first"
+            )
+        rt.nvc.finalize()
+        platform.runtime = None
+
+
+def peer_view(nvc, buf: torch.Tensor, rank: int, pe: int) -> torch.Tensor:
+    """How rows reach peer ``pe``: today an NVLink-mapped view of its ``buf`` (the seam where an
+    internode put path would plug in, docs/native.md "Internode seam")."""
+    if pe == rank:
+        return buf
+    try:
+        return nvc.get_peer_tensor(buf, pe)
+    except Exception as e:  # nvshmem_ptr returned NULL: the peer is not load/store reachable
+        raise unavailable(
+            f"PE {pe} is not reachable by NVLink load/store from PE {rank} ({e}); the internode "
+            f"NVSHMEM put path is not implemented yet (packages/magi-comm/docs/native.md, 'Internode seam')"
+        ) from e
