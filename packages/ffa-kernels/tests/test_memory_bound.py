@@ -15,7 +15,7 @@ def _qkv(n, hq, hk, d, seed=0):
 
 
 def _record_forward(monkeypatch, seen):
-    def stub(qh, kh, vh, mask, group, softcap, want_max):
+    def stub(qh, kh, vh, mask, group, softcap, want_max, kv_finite=True):
         hk, gr, d = qh.shape
         seen.append((hk * group, gr // group, kh.shape[1], mask is not None))
         out = torch.zeros(hk, gr, d, dtype=qh.dtype)
@@ -55,7 +55,7 @@ def test_large_causal_walk_is_tiled_and_tight(monkeypatch):
 def test_large_backward_walk_is_tiled(monkeypatch):
     seen = []
 
-    def stub(qh, kh, vh, doh, lse_h, delta_h, mask, group, softcap):
+    def stub(qh, kh, vh, doh, lse_h, delta_h, mask, group, softcap, kv_finite=True):
         seen.append((qh.shape[0] * group, qh.shape[1] // group * kh.shape[1]))
         return torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
 

@@ -1,8 +1,17 @@
-"""Reliability of flex_flash_attn_func (issue 23): a right result or a clear error, no stale cache.
+"""Reliability of flex_flash_attn_func (issue 23): a right result or a clear error, no stale cache,
+no NaN that reaches rows which do not see its key (reference backend), no untrusted kernel loaded
+from the compile disk cache.
 
 The multi-rank rows (ranges rewritten by ``dist.broadcast``, keys that differ between ranks)
 are in integration_tests/test_reliability.py.
 """
+
+import hashlib
+import logging
+import os
+import pathlib
+import stat
+import types
 
 import pytest
 import torch
@@ -153,3 +162,277 @@ def test_validate_attn_inputs_resolves_defaults():
     got = validate_attn_inputs(q, k, v, sink=sink, sink_layout="ssh", softcap=2)
     assert got.softmax_scale == 16**-0.5 and got.softcap == 2.0 and isinstance(got.softcap, float)
     assert got.sink is sink and got.sink_layout == "ssh" and got.return_max_logits is False
+
+
+# ----------------------------------------------------------------------------- non-finite K / V (reference)
+
+
+def _causal_call(q, k, v, t, typ=1, **kw):
+    return flex_flash_attn_func(
+        q, k, v, _ranges([0, t]), _ranges([0, t]), torch.tensor([typ], dtype=I32), **kw
+    )
+
+
+def _grads(q, k, v, t, typ, **kw):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, meta = _causal_call(q, k, v, t, typ, **kw)
+    out.backward(torch.ones_like(out))
+    return out.detach(), meta.lse, q.grad, k.grad, v.grad
+
+
+def _bad_rows(x):
+    return (~torch.isfinite(x)).flatten(1).any(dim=1).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    ("dtype", "hq", "softcap"), [(torch.float64, 2, 0.0), (torch.float32, 4, 0.0), (torch.float32, 4, 5.0)]
+)
+def test_non_finite_key_reaches_only_the_rows_that_see_it(where, bad, dtype, hq, softcap):
+    """A causal slice of 64 rows with a NaN/inf at the last key: only the last row sees it. Before,
+    P @ V multiplied the hidden cells' 0 by NaN and 63 rows came out NaN (and every dq)."""
+    t = 64
+    q, k, v = _qkv(t=t, hq=hq, hk=2, dtype=dtype)
+    k_bad, v_bad = k.clone(), v.clone()
+    {"k": k_bad, "v": v_bad}[where][t - 1, 0, 0] = bad
+    out, lse, dq, _, _ = _grads(q, k_bad, v_bad, t, 1, softcap=softcap)
+    ref_out, ref_lse, ref_dq, _, _ = _grads(q, k, v, t, 1, softcap=softcap)
+    assert set(_bad_rows(out)) <= {t - 1} and set(_bad_rows(dq)) <= {t - 1}
+    # the rows that do not see the key: the same numbers as with a finite value there
+    torch.testing.assert_close(out[: t - 1], ref_out[: t - 1], atol=0, rtol=0)
+    torch.testing.assert_close(lse[: t - 1], ref_lse[: t - 1], atol=0, rtol=0)
+    torch.testing.assert_close(dq[: t - 1], ref_dq[: t - 1])
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_non_finite_key_in_a_window_spares_rows_and_keys_apart_from_it(monkeypatch, where):
+    """A sliding window (BICAUSAL) over several row blocks and column tiles: the rows that do not see
+    key 90 keep finite out and dq, and the keys that only such rows see keep finite dk and dv."""
+    from ffa_kernels import _masks
+
+    monkeypatch.setattr(_masks, "BLOCK_ROWS", 32)
+    monkeypatch.setattr(_masks, "TILE_ELEMS", 32 * 2 * 16)  # 16-column tiles
+    monkeypatch.setattr(_masks, "MIN_TILE_COLS", 16)
+    t, w = 128, 12
+    q, k, v = _qkv(t=t, hq=2, hk=1)
+    qr, kr, tm = _ranges([0, t]), _ranges([0, t + w]), torch.tensor([3], dtype=I32)  # j in [i, i + w]
+    k2, v2 = torch.cat([k, k[:w]]), torch.cat([v, v[:w]])
+    {"k": k2, "v": v2}[where][90, 0, 3] = float("nan")
+    q, k2, v2 = (x.requires_grad_() for x in (q, k2, v2))
+    out, _ = flex_flash_attn_func(q, k2, v2, qr, kr, tm)
+    out.backward(torch.ones_like(out))
+    seers = set(range(90 - w, 91))  # rows i with i <= 90 <= i + w
+    assert set(_bad_rows(out)) == seers and set(_bad_rows(q.grad)) <= seers
+    keys_of_seers = set(range(90 - w, 91 + w))
+    assert set(_bad_rows(k2.grad)) <= keys_of_seers and set(_bad_rows(v2.grad)) <= keys_of_seers
+
+
+def test_finite_inputs_take_the_unchanged_path(monkeypatch):
+    """Finite K/V never reach the masked product (results stay bitwise what they were)."""
+    from ffa_kernels import _forward
+
+    def boom(*a, **kw):
+        raise AssertionError("masked_bmm used for finite inputs")
+
+    monkeypatch.setattr(_forward, "masked_bmm", boom)
+    q, k, v = (x.requires_grad_() for x in _qkv(t=64))
+    out, _ = _causal_call(q, k, v, 64)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_masked_bmm_matches_bmm_on_finite_values():
+    from ffa_kernels._forward import masked_bmm
+
+    g = torch.Generator().manual_seed(1)
+    hk, group, rows, cols, d = 2, 3, 5, 7, 4
+    mask = torch.rand(rows, cols, generator=g) > 0.4
+    a = torch.rand(hk, group * rows, cols, generator=g, dtype=torch.float64)
+    a.view(hk, group, rows, cols).masked_fill_(~mask, 0.0)
+    b = torch.randn(hk, cols, d, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(masked_bmm(a, b, mask, group), torch.bmm(a, b), atol=0, rtol=0)
+    b[1, 2, 3] = float("inf")
+    got = masked_bmm(a, b, mask, group).view(hk, group, rows, d)
+    seen = mask[:, 2]
+    want_inf = seen.view(1, 1, rows).expand(1, group, rows)
+    assert torch.equal(torch.isinf(got[1, :, :, 3]), want_inf[0])
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1, :, :, :3]).all()
+
+
+# ----------------------------------------------------------------------------- compile disk cache
+
+
+class _FakeFn:
+    """What cute.compile returns, as far as the cache uses it."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def export_to_c(self, folder, name, function_prefix):
+        pathlib.Path(folder, f"{name}.o").write_bytes(self.payload)
+        pathlib.Path(folder, f"{name}.h").write_text(f"// {function_prefix}\n")
+
+
+class _FakeCute:
+    def __init__(self):
+        self.compiled = 0
+
+    def compile(self, built, *args, options=""):
+        self.compiled += 1
+        return _FakeFn(b"\x7fELF kernel " + str(built).encode())
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    """compile_cache with a fake compiler and loader; FFA_CACHE_DIR under tmp_path (not created)."""
+    from ffa_kernels.cute import compile_cache
+
+    cute = _FakeCute()
+    loaded = []
+
+    def load(path, name):
+        loaded.append(pathlib.Path(path))
+        return ("loaded", pathlib.Path(path).read_bytes())
+
+    root = tmp_path / "outer" / "ffa"
+    monkeypatch.setenv("FFA_CACHE_DIR", str(root))
+    monkeypatch.setattr(compile_cache, "cutlass_modules", lambda: (None, cute))
+    monkeypatch.setattr(compile_cache, "source_hash", lambda: "srchash")
+    monkeypatch.setattr(compile_cache, "load_module", load, raising=False)
+    compile_cache.forget()
+
+    def get(key=("k", 1)):
+        compile_cache.forget(key)
+        return compile_cache.compiled_kernel(key, "ffa_test_", lambda: "kernel", lambda: [], "test kernel")
+
+    yield types.SimpleNamespace(
+        cc=compile_cache, cute=cute, loaded=loaded, root=root, kdir=root / "srchash", get=get
+    )
+    compile_cache.forget()
+
+
+def _mode(p):
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+def test_cache_dirs_are_created_0700_and_files_carry_their_sha256(fake_cache):
+    fn = fake_cache.get()
+    assert isinstance(fn, _FakeFn) and fake_cache.cute.compiled == 1
+    for d in (fake_cache.root.parent, fake_cache.root, fake_cache.kdir):
+        assert _mode(d) == 0o700, (d, oct(_mode(d)))
+    names = sorted(p.name for p in fake_cache.kdir.iterdir())
+    (obj,) = [p for p in fake_cache.kdir.iterdir() if p.suffix == ".o"]
+    assert names == sorted([obj.name, obj.name + ".sha256", obj.stem + ".h", obj.stem + ".h.sha256"])
+    recorded = (fake_cache.kdir / (obj.name + ".sha256")).read_text().split()
+    assert recorded == [hashlib.sha256(obj.read_bytes()).hexdigest(), obj.name]
+
+
+def test_a_verified_file_is_loaded_without_compiling(fake_cache):
+    fake_cache.get()
+    fn = fake_cache.get()
+    assert fake_cache.cute.compiled == 1 and fn[0] == "loaded" and fake_cache.loaded[0].suffix == ".o"
+
+
+@pytest.mark.parametrize("damage", ["tamper", "truncate", "no-digest", "empty-digest"])
+def test_a_file_whose_sha256_differs_is_compiled_again(fake_cache, caplog, damage):
+    fake_cache.get()
+    (obj,) = [p for p in fake_cache.kdir.iterdir() if p.suffix == ".o"]
+    digest = fake_cache.cc.digest_path(obj)
+    if damage == "tamper":
+        obj.write_bytes(obj.read_bytes().replace(b"kernel", b"evil!!"))
+    elif damage == "truncate":
+        obj.write_bytes(obj.read_bytes()[:4])
+    elif damage == "no-digest":
+        digest.unlink()
+    else:
+        digest.write_text("")
+    with caplog.at_level(logging.WARNING, logger=fake_cache.cc.__name__):
+        fn = fake_cache.get()
+    assert isinstance(fn, _FakeFn) and fake_cache.cute.compiled == 2 and not fake_cache.loaded
+    assert f"not loading cached kernel {obj}" in caplog.text
+    assert fake_cache.cc.verify_file(obj) is None  # the entry was written again
+
+
+@pytest.mark.parametrize("which", ["root", "kdir"])
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_group_or_world_writable_cache_dir_is_not_used(fake_cache, caplog, which, mode):
+    fake_cache.get()  # a valid entry now exists
+    d = fake_cache.root if which == "root" else fake_cache.kdir
+    os.chmod(d, mode)
+    before = sorted(p.name for p in fake_cache.kdir.iterdir())
+    with caplog.at_level(logging.WARNING, logger=fake_cache.cc.__name__):
+        fn = fake_cache.get(("another", 2))
+        fn2 = fake_cache.get()
+    assert isinstance(fn, _FakeFn) and isinstance(fn2, _FakeFn)  # compiled in memory, not loaded
+    assert fake_cache.cute.compiled == 3 and not fake_cache.loaded
+    assert sorted(p.name for p in fake_cache.kdir.iterdir()) == before  # nothing written there
+    assert (
+        f"not using the kernel disk cache {d}: it is group- or world-writable (mode {mode:#o})" in caplog.text
+    )
+    assert caplog.text.count("not using the kernel disk cache") == 1  # warned once
+
+
+def test_a_cache_dir_owned_by_someone_else_is_not_used(fake_cache, caplog, monkeypatch):
+    fake_cache.get()
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    with caplog.at_level(logging.WARNING, logger=fake_cache.cc.__name__):
+        fn = fake_cache.get()
+    assert isinstance(fn, _FakeFn) and not fake_cache.loaded
+    assert f"is owned by uid {me}, not by this user (uid {me + 1})" in caplog.text
+
+
+def test_a_cache_path_that_is_a_file_is_not_used(fake_cache, caplog):
+    fake_cache.root.parent.mkdir(parents=True)
+    fake_cache.root.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger=fake_cache.cc.__name__):
+        fn = fake_cache.get()
+    assert isinstance(fn, _FakeFn) and "not using the kernel disk cache" in caplog.text
+
+
+def test_write_atomic_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from ffa_kernels.cute import compile_cache
+
+    target = tmp_path / "f.bin"
+    compile_cache.write_atomic(target, b"one")
+    compile_cache.write_atomic(target, b"two")
+    assert target.read_bytes() == b"two" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        compile_cache.write_atomic(target, b"three")
+    assert target.read_bytes() == b"two" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_real_kernel_round_trip_through_the_verified_cache(tmp_path, monkeypatch, caplog):
+    """One real sm_90a compile on the CPU: exported with digests into 0700 folders, loaded back
+    without compiling, and compiled again once the object file is altered."""
+    pytest.importorskip("cutlass")
+    from ffa_kernels.cute import compile_cache, launch
+    from ffa_kernels.cute.config import default_config
+
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = default_config(64)
+    key = launch.compile_key(torch.bfloat16, cfg, False)
+    compile_cache.forget(key)
+    with caplog.at_level(logging.INFO, logger=compile_cache.__name__):
+        launch.get_kernel(torch.bfloat16, cfg, False)
+        kdir = tmp_path / "cache" / compile_cache.source_hash()
+        assert _mode(tmp_path / "cache") == 0o700 and _mode(kdir) == 0o700
+        (obj,) = kdir.glob("*.o")
+        assert compile_cache.verify_file(obj) is None
+        compile_cache.forget(key)
+        caplog.clear()
+        launch.get_kernel(torch.bfloat16, cfg, False)
+        assert "compiled" not in caplog.text  # loaded from disk
+        data = bytearray(obj.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        obj.write_bytes(bytes(data))
+        compile_cache.forget(key)
+        launch.get_kernel(torch.bfloat16, cfg, False)
+        assert "differs from the recorded" in caplog.text and "compiled sm90 forward" in caplog.text
+    compile_cache.forget(key)

@@ -15,6 +15,13 @@ Every term is a sum over cells, so the contributions of disjoint slices / stages
 and the walk over row blocks and column tiles (shared with the forward through `_masks`)
 can accumulate straight into the caller's buffers. A sink is not handled here: its only
 effect on dq/dk/dv is already inside the final lse and out.
+
+As in the forward, a NaN or inf in K or V does not reach the dq of a row that does not see its
+key, nor the dk/dv of a key that only such rows see: when K or V is not all finite, P and dS of
+hidden cells are set to exactly 0 (a row that sees a NaN key has lse NaN, so ``exp(-inf - lse)``
+is NaN on its hidden cells; ``dO V^T`` holds the NaN of a hidden key, and 0 times NaN is NaN) and
+``dS K`` goes through `masked_bmm`. A NaN in q or dout of a row is not covered: in the backward
+it reaches the dk/dv of the keys in that row's tiles, as in the kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import _masks
-from ._forward import block_queries, from_kv_major, tile_kv, to_kv_major
+from ._forward import all_finite, block_queries, from_kv_major, masked_bmm, tile_kv, to_kv_major
 from ._validate import ValidatedAttnArgs
 
 __all__ = ["backward_tile", "reference_backward_stage"]
@@ -40,6 +47,7 @@ def backward_tile(
     mask: torch.Tensor | None,
     group: int,
     softcap: float,
+    kv_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient contributions of one tile.
 
@@ -52,6 +60,9 @@ def backward_tile(
         delta_h: ``(Hk, G * R, 1)`` ``rowsum(dout * out)``.
         mask: bool ``(R, C)`` visible cells, or None when all are visible.
         group: ``G = Hq // Hk``.
+        kv_finite: False when K or V may hold NaN/inf: P and dS are then zeroed on hidden cells
+            and ``dS K`` goes through `masked_bmm`, so a non-finite value reaches only the rows
+            that see it (and the keys those rows see).
 
     Returns:
         dq / softmax_scale ``(Hk, G * R, D)`` (the caller applies the scale once per row block),
@@ -69,11 +80,18 @@ def backward_tile(
         # Hide before exp: a hidden cell may have a logit far above lse and overflow to inf.
         s.view(hk, group, rows, cols).masked_fill_(~mask, _NEG_INF)
     p = s.sub_(lse_h).exp_()
+    safe = not kv_finite and mask is not None
+    if safe:  # a row that sees a NaN key has lse NaN, and exp(-inf - NaN) is NaN on its hidden cells
+        p.view(hk, group, rows, cols).masked_fill_(~mask, 0.0)
     dv = torch.bmm(p.transpose(1, 2), doh)
     ds = torch.bmm(doh, vh.transpose(1, 2)).sub_(delta_h).mul_(p)
     if tanh is not None:
         ds.mul_(tanh.mul_(tanh).neg_().add_(1.0))
-    dq = torch.bmm(ds, kh)
+    if safe:
+        ds.view(hk, group, rows, cols).masked_fill_(~mask, 0.0)
+        dq = masked_bmm(ds, kh, mask, group)
+    else:
+        dq = torch.bmm(ds, kh)
     dk = torch.bmm(ds.transpose(1, 2), qh)
     return dq, dk, dv
 
@@ -96,6 +114,7 @@ def reference_backward_stage(
     dtype = args.compute_dtype
     hq, hk = q.shape[1], k.shape[1]
     group = hq // hk
+    kv_finite = all_finite(k, v)
     for blk in _masks.iter_row_blocks(args.slices):
         r0, r1 = blk.q_start, blk.q_end
         rows = r1 - r0
@@ -110,7 +129,9 @@ def reference_backward_stage(
         for tile in blk.tiles(hq, q.device):
             c0, c1 = tile.k_start, tile.k_end
             kh, vh = tile_kv(k, v, tile, dtype)
-            dq_t, dk_t, dv_t = backward_tile(qh, kh, vh, doh, lse_h, delta_h, tile.mask, group, args.softcap)
+            dq_t, dk_t, dv_t = backward_tile(
+                qh, kh, vh, doh, lse_h, delta_h, tile.mask, group, args.softcap, kv_finite
+            )
             dq_blk += dq_t
             dk_acc[c0:c1] += dk_t.transpose(0, 1).to(dk_acc.dtype)
             dv_acc[c0:c1] += dv_t.transpose(0, 1).to(dv_acc.dtype)

@@ -9,6 +9,12 @@ stages over disjoint key sets add up exactly.
 Inside a tile the heads are laid out "kv-head major": q rows become ``(Hk, G * rows, D)`` with
 ``G = Hq // Hk``, so one batched matmul against ``(Hk, cols, D)`` serves every q head of a kv
 group without repeating k or v (GQA: q head h uses kv head ``h // G``).
+
+A NaN or inf in K or V never reaches a row that does not see its key. Scores of hidden cells are
+replaced (``masked_fill``), not added to, so a non-finite key is harmless there; but the hidden
+cells of ``P @ V`` still multiply ``0 * NaN``. So each stage checks once whether K and V are
+finite: if they are (the normal case) nothing changes; if not, the products of masked tiles go
+through `masked_bmm`, which counts every hidden cell's product as exactly 0.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from . import _masks
 from ._merge import merge_lse_
 from ._validate import ValidatedAttnArgs
 
-__all__ = ["block_queries", "forward_tile", "reference_forward_stage", "tile_kv"]
+__all__ = ["all_finite", "block_queries", "forward_tile", "masked_bmm", "reference_forward_stage", "tile_kv"]
 
 _NEG_INF = float("-inf")
 
@@ -60,6 +66,34 @@ def tile_kv(
     return kh, vh
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of every tensor is finite (one host sync per call)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def masked_bmm(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``torch.bmm(a, b)`` where the products of hidden cells count as exactly 0.
+
+    ``a`` is ``(Hk, G * R, C)`` with ``a[h, g * R + i, j] == 0`` wherever ``mask[i, j]`` is False,
+    ``b`` is ``(Hk, C, D)``, ``mask`` bool ``(R, C)``. A plain bmm turns ``0 * NaN`` (or
+    ``0 * inf``) of a hidden cell into NaN; here a non-finite ``b[h, j, d]`` reaches row ``i`` only
+    when row ``i`` sees column ``j``, and then exactly as in the plain product. Finite entries go
+    through one bmm (with the non-finite ones zeroed); the non-finite entries, few in practice,
+    are added back for the cells that see them.
+    """
+    bad = ~torch.isfinite(b)
+    out = torch.bmm(a, b.masked_fill(bad, 0.0))
+    cols = bad.any(dim=2).any(dim=0).nonzero().squeeze(1)  # columns with a non-finite entry
+    if cols.numel():
+        hk, gr, _ = a.shape
+        rows, n, d = gr // group, cols.numel(), b.shape[2]
+        a_bad = a[:, :, cols].reshape(hk, group, rows, n, 1)
+        b_bad = b[:, cols, :].masked_fill(~bad[:, cols, :], 0.0).reshape(hk, 1, 1, n, d)
+        seen = mask[:, cols].reshape(1, 1, rows, n, 1)
+        out += torch.where(seen, a_bad * b_bad, 0.0).sum(dim=3).reshape(hk, gr, d)
+    return out
+
+
 def forward_tile(
     qh: torch.Tensor,
     kh: torch.Tensor,
@@ -68,6 +102,7 @@ def forward_tile(
     group: int,
     softcap: float,
     want_max: bool,
+    kv_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Attention of one tile.
 
@@ -79,6 +114,8 @@ def forward_tile(
         group: ``G = Hq // Hk``, the q heads per kv head.
         softcap: logits are ``softcap * tanh(qh.k / softcap)`` if softcap > 0.
         want_max: also return the max of ``qh.k`` (= ``scale * q.k``) over visible cells.
+        kv_finite: False when K or V may hold NaN/inf: ``P @ V`` then goes through `masked_bmm`
+            so that a non-finite value reaches only the rows that see its key.
 
     Returns:
         out ``(Hk, G * R, D)`` normalised by the tile's own denominator (0 for rows with no
@@ -104,7 +141,7 @@ def forward_tile(
     m = m.masked_fill(m == _NEG_INF, 0.0)
     p = s.sub_(m).exp_()
     denom = p.sum(dim=-1)  # (Hk, G*R)
-    out = torch.bmm(p, vh)
+    out = torch.bmm(p, vh) if kv_finite or mask is None else masked_bmm(p, vh, mask, group)
     out.div_(denom.masked_fill(denom == 0, 1.0).unsqueeze(-1))
     lse = torch.log(denom).add_(m.squeeze(-1))  # log(0) = -inf for empty rows
     return out, lse, max_part
@@ -124,6 +161,7 @@ def reference_forward_stage(
     q, k, v = args.q, args.k, args.v
     dtype = args.compute_dtype
     hq, hk = q.shape[1], k.shape[1]
+    kv_finite = all_finite(k, v)
     for blk in _masks.iter_row_blocks(args.slices):
         rows = blk.num_rows
         qh = block_queries(q, blk, hk, dtype, args.softmax_scale)
@@ -132,7 +170,7 @@ def reference_forward_stage(
         for tile in blk.tiles(hq, q.device):
             kh, vh = tile_kv(k, v, tile, dtype)
             out_t, lse_t, max_t = forward_tile(
-                qh, kh, vh, tile.mask, hq // hk, args.softcap, max_logits_acc is not None
+                qh, kh, vh, tile.mask, hq // hk, args.softcap, max_logits_acc is not None, kv_finite
             )
             if max_logits_acc is not None:
                 torch.maximum(max_logits_acc, max_t.to(max_logits_acc.dtype), out=max_logits_acc)

@@ -115,20 +115,32 @@ class Band(NamedTuple):
 
     def to_slices(self) -> list[tuple[int, int, int, int, int]]:
         """Exact decomposition into at most three API slices ``(qs, qe, ks, ke, type)``, row-disjoint."""
+        return self.slices_and_area()[0]
+
+    def slices_and_area(self) -> tuple[list[tuple[int, int, int, int, int]], int]:
+        """``(to_slices(), area())`` in one pass (the area terms as in `area`)."""
         a, b = self.nonempty_rows()
         if a >= b:
-            return []
+            return [], 0
         out = []
+        total = 0
         for r0, r1, kind in self._pieces(a, b):
+            n = r1 - r0
             if kind == FULL:
                 out.append((r0, r1, self.k0, self.k1, FULL))
+                total += n * (self.k1 - self.k0)
             elif kind == CAUSAL:  # bottom-right aligned: k <= q + (ke - qe) with ke = r1 + hi
+                # row q spans [k0, q+hi]: width q + hi - k0 + 1, rising by one a row
                 out.append((r0, r1, self.k0, r1 + self.hi, CAUSAL))
+                total += n * (r0 + self.hi - self.k0 + 1) + n * (n - 1) // 2
             elif kind == INVCAUSAL:  # top-left aligned: k >= q + (ks - qs) with ks = r0 + lo
+                # row q spans [q+lo, k1): width k1 - q - lo, falling by one a row
                 out.append((r0, r1, r0 + self.lo, self.k1, INVCAUSAL))
+                total += n * (self.k1 - r0 - self.lo) - n * (n - 1) // 2
             else:
                 out.append((r0, r1, r0 + self.lo, r1 + self.hi, BICAUSAL))
-        return out
+                total += n * (self.hi - self.lo + 1)
+        return out, total
 
     def _pieces(self, a: int, b: int) -> list[tuple[int, int, int]]:
         """Split non-empty rows ``[a, b)`` where the left/right bound switches between the rectangle

@@ -8,6 +8,10 @@ Examples::
 
 A slices file holds ``{"q_ranges": [[s, e], ...], "k_ranges": [...], "mask_types": [...],
 "total_seqlen_q": T, "total_seqlen_k": T}`` (types as codes 0..3 or strings).
+
+A bad input (invalid JSON, a mask the builder rejects, ``--cp 0``, a config out of range, a
+missing file) prints one line ``magi-plan: error: ...`` on stderr and exits with status 2, as
+argparse does for a bad option; ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+
+from pydantic import ValidationError
 
 from magi_solver import masks
 from magi_solver.config import DispatchConfig, DistAttnConfig, OverlapConfig
@@ -48,19 +54,69 @@ def demo_mask(total: int = 65536, seed: int = 0) -> AttnMask:
     return masks.varlen(cu, causal=True)
 
 
+class CliError(Exception):
+    """A bad input of the command line, reported as one line (``magi-plan: error: ...``)."""
+
+
+def _load_json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{what}: invalid JSON ({exc}): {_short(text)}") from exc
+
+
+def _short(text: str, n: int = 80) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= n else text[: n - 3] + "...")
+
+
 def build_mask(args: argparse.Namespace) -> AttnMask:
     if args.demo:
         return demo_mask()
     if args.slices:
-        with open(args.slices) as f:
-            data = json.load(f)
+        try:
+            with open(args.slices) as f:
+                text = f.read()
+        except OSError as exc:
+            raise CliError(f"--slices: cannot read {args.slices!r}: {exc.strerror or exc}") from exc
+        data = _load_json(text, f"--slices {args.slices}")
+        if not isinstance(data, dict):
+            raise CliError(
+                f"--slices {args.slices}: expected a JSON object with q_ranges, k_ranges, mask_types, "
+                f"total_seqlen_q, total_seqlen_k; got {type(data).__name__}"
+            )
         return AttnMask(**data)
     if args.mask not in BUILDERS:
-        raise SystemExit(f"--mask: unknown builder {args.mask!r}; one of {sorted(BUILDERS)}")
-    kwargs = json.loads(args.mask_args) if args.mask_args else {}
+        raise CliError(f"--mask: unknown builder {args.mask!r}; one of {sorted(BUILDERS)}")
+    kwargs = _load_json(args.mask_args, "--mask-args") if args.mask_args else {}
     if isinstance(kwargs, list):
         return BUILDERS[args.mask](*kwargs)
+    if not isinstance(kwargs, dict):
+        raise CliError(
+            f"--mask-args: expected a JSON object (keyword args) or list (positional args), "
+            f"got {type(kwargs).__name__} {_short(args.mask_args)}"
+        )
     return BUILDERS[args.mask](**kwargs)
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for ``exc``: pydantic's multi-line errors become ``field: message; ...``."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            msg = err.get("msg", "")
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, ") :]
+            elif "input" in err:
+                msg += f", got {err['input']!r}"
+            parts.append(f"{loc}: {msg}" if loc and not msg.startswith(loc + ":") else msg)
+        text = "; ".join(parts)
+    else:
+        text = str(exc) or type(exc).__name__
+        if isinstance(exc, TypeError):
+            text = f"{type(exc).__name__}: {text}"
+    return " ".join(text.split())
 
 
 def report(plan: DistAttnPlan, compare_algs: bool = True) -> str:
@@ -116,7 +172,7 @@ def plot(plan: DistAttnPlan, path: str) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Polygon
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'magi-solver[plot]'") from None
+        raise CliError("--plot needs matplotlib: pip install 'magi-solver[plot]'") from None
     cmap = plt.get_cmap("tab20" if plan.cp_size > 10 else "tab10")
     fig, ax = plt.subplots(figsize=(7, 7))
     cs = plan.chunk_size
@@ -155,18 +211,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--min-chunk-size", type=int, default=None)
     ap.add_argument("--plot", help="write a PNG of the mask coloured by owning rank")
     ap.add_argument("--json-out", help="write the plan as JSON")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = ap.parse_args(argv)
 
     cp = args.cp if args.cp is not None else (8 if args.demo else None)
     if cp is None:
         ap.error("--cp is required")
+    try:
+        return _run(args, cp)
+    except (CliError, ValueError, TypeError, OSError) as exc:
+        # ValueError covers json errors and pydantic's ValidationError; TypeError a builder called
+        # with wrong arguments; OSError an output file that cannot be written.
+        if args.debug:
+            raise
+        ap.exit(2, f"{ap.prog}: error: {error_line(exc)}\n")
+
+
+def _run(args: argparse.Namespace, cp: int) -> int:
+    if cp < 1:
+        raise CliError(f"--cp: must be >= 1, got {cp}")
     mask = build_mask(args)
     dispatch = {"alg": args.dispatch_alg}
     if args.chunk_size is not None:
         dispatch["chunk_size"] = args.chunk_size
-    overlap: dict = (
-        {"mode": "dynamic", "degree": None} if args.degree == "dynamic" else {"degree": int(args.degree)}
-    )
+    if args.degree == "dynamic":
+        overlap: dict = {"mode": "dynamic", "degree": None}
+    else:
+        try:
+            overlap = {"degree": int(args.degree)}
+        except ValueError:
+            raise CliError(f"--degree: expected an int >= 0 or 'dynamic', got {args.degree!r}") from None
     if args.min_chunk_size is not None:
         overlap["min_chunk_size"] = args.min_chunk_size
     config = DistAttnConfig(

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from magi_solver.dispatch import DispatchAlg
+
+MAX_COST_FACTOR = 1e30
+"""Upper bound of ``OverlapConfig``'s cost factors (see there)."""
 
 
 class OverlapMode(str, Enum):
@@ -49,6 +53,8 @@ class OverlapConfig(BaseModel):
     ``comm_cost_factor / calc_cost_factor`` is the time of one K/V token relative to one mask
     cell (about ``(peak FLOP/s / link bytes/s) * (2*Hk*bytes) / (4*Hq)``: ~1000 for bf16 MHA on H100
     NVLink). Remote K/V is cut into at most ``max_num_chunks`` chunks of at least ``min_chunk_size``.
+    Both factors are finite and at most ``MAX_COST_FACTOR`` (1e30): only their ratio matters, and
+    the bound keeps every estimated cost (factor x area, summed over stages) a finite float.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -59,8 +65,27 @@ class OverlapConfig(BaseModel):
     min_chunk_size: int = Field(512, gt=0)
     max_num_chunks: int = Field(64, ge=1)
     alg: OverlapAlg = OverlapAlg.UNIFORM
-    calc_cost_factor: float = Field(1.0, gt=0)
-    comm_cost_factor: float = Field(1000.0, ge=0)
+    calc_cost_factor: float = 1.0
+    comm_cost_factor: float = 1000.0
+
+    @field_validator("calc_cost_factor", "comm_cost_factor", mode="before")
+    @classmethod
+    def _no_bool_cost_factor(cls, value, info):
+        if isinstance(value, bool):
+            raise ValueError(f"{info.field_name}: must be a real number, got bool {value!r}")
+        return value
+
+    @field_validator("calc_cost_factor", "comm_cost_factor")
+    @classmethod
+    def _check_cost_factor(cls, value: float, info) -> float:
+        name = info.field_name
+        low = "> 0" if name == "calc_cost_factor" else ">= 0"
+        ok = math.isfinite(value) and (value > 0 if name == "calc_cost_factor" else value >= 0)
+        if not ok or value > MAX_COST_FACTOR:
+            raise ValueError(
+                f"{name}: must be a finite number {low} and <= {MAX_COST_FACTOR:g}, got {value!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_mode(self) -> OverlapConfig:

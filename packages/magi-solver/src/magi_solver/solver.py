@@ -8,6 +8,7 @@ received exactly once, grouped into stages, and every received row is read by so
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -199,9 +200,85 @@ def _overlapping(starts: Sequence[int], ends: Sequence[int], c0: int, c1: int) -
     return range(i, max(i, j))
 
 
+def _split_band(b: Band) -> tuple[Interval, Interval | None]:
+    """``(touched columns, core)`` of a non-empty band.
+
+    The core ``[f0, f1)`` holds the columns that every non-empty row sees (row spans have
+    non-decreasing ends, so it is ``[left end of the last row, right end of the first row)``):
+    there the band is a full rectangle, whatever its diagonals. The rest of the touched columns,
+    the ragged edges, is at most ``2 * rows`` wide. ``core`` is None when it is empty.
+    """
+    a, e = b.nonempty_rows()
+    first, last = b.row_span(a), b.row_span(e - 1)
+    core = (last[0], first[1]) if last[0] < first[1] else None
+    return (first[0], last[1]), core
+
+
+def _cut_band(
+    b: Band, dq: int, starts: list[int], ends: list[int], locs: list[int], group_end: list[int] | None = None
+) -> list[tuple[int, Band]]:
+    """``b`` (rows moved by ``dq``) cut by the sorted disjoint intervals ``[starts[i], ends[i])``,
+    each piece moved to its interval's buffer start ``locs[i]``: ``(interval index, piece)`` for
+    the non-empty pieces, in interval order.
+
+    The intervals form groups (``group_end[g]`` is one past the last interval of group g; one
+    group when None), and the intervals of a group lie one after another in its buffer. A run of
+    two or more intervals of one group that lie inside ``b``'s core is a single full rectangle:
+    one piece, reported with the run's first index. Every other interval gives the piece it
+    always did. So a band yields about as many pieces as its ragged edges meet intervals, plus
+    one per group, rather than one per interval it reads, and the work is that size too.
+    """
+    (c0, c1), core = _split_band(b)
+    idx = _overlapping(starts, ends, c0, c1)
+    ia = ib = idx.start
+    if core is not None:
+        ia = bisect.bisect_left(starts, core[0], idx.start, idx.stop)
+        ib = max(ia, bisect.bisect_right(ends, core[1], idx.start, idx.stop))
+    out: list[tuple[int, Band]] = []
+
+    def cut(i: int) -> None:
+        piece = b.clip_cols(starts[i], ends[i])
+        if not piece.is_empty():
+            out.append((i, piece.shifted(dq, locs[i] - starts[i])))
+
+    for i in range(idx.start, ia):
+        cut(i)
+    i = ia
+    while i < ib:
+        j = ib if group_end is None else min(ib, group_end[bisect.bisect_right(group_end, i)])
+        if j - i >= 2:
+            a, e = b.nonempty_rows()
+            l1 = locs[j - 1] + ends[j - 1] - starts[j - 1]
+            out.append((i, Band(a + dq, e + dq, locs[i], l1, None, None)))
+        else:
+            cut(i)
+        i = j
+    for i in range(ib, idx.stop):
+        cut(i)
+    return out
+
+
+def _integral(events: list[tuple[int, int]], points: list[int]) -> list[int]:
+    """``W(x) = sum of w(k) over k < x`` at each of the sorted ``points``, where ``w`` is the step
+    function of ``events`` ``(position, delta)``: ``w(k)`` = the sum of the deltas at positions <= k."""
+    events.sort()
+    out, i, d, dp = [], 0, 0, 0
+    for x in points:
+        while i < len(events) and events[i][0] <= x:
+            d += events[i][1]
+            dp += events[i][1] * events[i][0]
+            i += 1
+        out.append(d * x - dp)
+    return out
+
+
 @dataclass
 class _RankGeometry:
-    """One rank's bands (own rows), host pieces, needed remote columns and their stages."""
+    """One rank's bands (own rows), host pieces, needed remote columns and their stages.
+
+    Every step is near-linear in the bands and intervals (see `_cut_band`): a band's core is
+    handled as one rectangle, and only its ragged edges are cut interval by interval.
+    """
 
     rank: int
     config: DistAttnConfig
@@ -223,7 +300,7 @@ class _RankGeometry:
     ) -> _RankGeometry:
         cs = layout.cs
         host = layout.host_ranges(rank)
-        h_starts, h_ends = [h[0] for h in host], [h[1] for h in host]
+        h_starts, h_ends, h_locs = [h[0] for h in host], [h[1] for h in host], [h[2] for h in host]
         rows: list[tuple[Band, int]] = []
         for g0, g1, l0 in host:
             ids = sorted(
@@ -233,26 +310,16 @@ class _RankGeometry:
                 b = bands[i].clip_rows(g0, g1)
                 if not b.is_empty():
                     rows.append((b, l0 - g0))
-        host_bands, remote = [], []
-        for b, dq in rows:
-            c0, c1 = b.touched_cols()
-            cursor = c0
-            for i in _overlapping(h_starts, h_ends, c0, c1):
-                h0, h1, hl0 = host[i]
-                piece = b.clip_cols(h0, h1)
-                if not piece.is_empty():
-                    host_bands.append(piece.shifted(dq, hl0 - h0))
-                if h0 > cursor:
-                    remote.append((cursor, h0))
-                cursor = max(cursor, h1)
-            if cursor < c1:
-                remote.append((cursor, c1))
-        needed = merge_intervals(remote)
+        # host ranges lie one after another in the local buffer: one group
+        host_bands = [p for b, dq in rows for _, p in _cut_band(b, dq, h_starts, h_ends, h_locs)]
+        # remote columns: the columns the rows touch, less the host ranges
+        needed = _subtract(merge_intervals(b.touched_cols() for b, _ in rows), host)
         ov = config.overlap_config
         total = sum(e - s for s, e in needed)
         target = max(ov.min_chunk_size, -(-total // ov.max_num_chunks))
         chunks = _cut(needed, target)
-        # calc cost of each chunk: area of the rank's bands over the chunk's columns
+        # calc cost of each chunk: area of the rank's bands over the chunk's columns. Edges are
+        # cut piece by piece; cores are rectangles, summed over each piece by one sweep.
         p_starts, p_ends, p_chunk = [], [], []
         for ci, pieces in enumerate(chunks):
             for s, e in pieces:
@@ -260,15 +327,25 @@ class _RankGeometry:
                 p_ends.append(e)
                 p_chunk.append(ci)
         area_per_chunk = [0] * len(chunks)
+        core_events: list[tuple[int, int]] = []
         for b, _ in rows:
-            c0, c1 = b.touched_cols()
-            for i in _overlapping(p_starts, p_ends, c0, c1):
-                area_per_chunk[p_chunk[i]] += b.clip_cols(p_starts[i], p_ends[i]).area()
+            (c0, c1), core = _split_band(b)
+            f0, f1 = core if core is not None else (c1, c1)
+            for x0, x1 in ((c0, f0), (f1, c1)):
+                for i in _overlapping(p_starts, p_ends, x0, x1):
+                    piece = b.clip_cols(max(p_starts[i], x0), min(p_ends[i], x1))
+                    area_per_chunk[p_chunk[i]] += piece.area()
+            if core is not None:
+                a, e = b.nonempty_rows()
+                core_events += [(f0, e - a), (f1, a - e)]
+        w = _integral(core_events, [x for s, e in zip(p_starts, p_ends) for x in (s, e)])
+        for i, ci in enumerate(p_chunk):
+            area_per_chunk[ci] += w[2 * i + 1] - w[2 * i]
         costs = [
             ChunkCost(ov.comm_cost_factor * sum(e - s for s, e in pieces), ov.calc_cost_factor * a)
             for pieces, a in zip(chunks, area_per_chunk)
         ]
-        host_area = sum(b.area() for b in host_bands)
+        host_area = sum(b.area() for b, _ in rows) - sum(area_per_chunk)
         return _RankGeometry(
             rank=rank,
             config=config,
@@ -307,17 +384,15 @@ class _RankGeometry:
                         runs.append([s, e, off])
                     off += e - s
             self.stage_runs.append([(a, b, o) for a, b, o in runs])
-        # stages are contiguous groups of globally ordered chunks, so all runs are sorted together
+        # stages are contiguous groups of globally ordered chunks, so all runs are sorted together,
+        # and the runs of one stage lie one after another in its buffer
         flat = [(a, b, o, t) for t, runs in enumerate(self.stage_runs) for a, b, o in runs]
-        starts, ends = [f[0] for f in flat], [f[1] for f in flat]
+        starts, ends, locs = [f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat]
+        stage_end = list(itertools.accumulate(len(runs) for runs in self.stage_runs))
         self.stage_bands = [[] for _ in groups]
         for b, dq in self.rows:
-            c0, c1 = b.touched_cols()
-            for i in _overlapping(starts, ends, c0, c1):
-                a, e, o, t = flat[i]
-                piece = b.clip_cols(a, e)
-                if not piece.is_empty():
-                    self.stage_bands[t].append(piece.shifted(dq, o - a))
+            for i, piece in _cut_band(b, dq, starts, ends, locs, stage_end):
+                self.stage_bands[flat[i][3]].append(piece)
 
     def calc_meta(self, shard: int) -> CalcMeta:
         recv = [sum(b - a for a, b, _ in runs) for runs in self.stage_runs]
@@ -328,6 +403,26 @@ class _RankGeometry:
             host = _stage_calc(self.host_bands, shard)
             remote = [_stage_calc(bs, n) for bs, n in zip(self.stage_bands, recv)]
         return CalcMeta(host=host, remote=remote, kv_concat=self.kv_concat)
+
+
+def _subtract(intervals: list[Interval], holes: list[tuple[int, int, int]]) -> list[Interval]:
+    """Sorted disjoint ``intervals`` less the sorted disjoint ``holes`` (``(start, end, ...)``)."""
+    out: list[Interval] = []
+    j = 0
+    for s, e in intervals:
+        while j < len(holes) and holes[j][1] <= s:
+            j += 1
+        k = j
+        while s < e:
+            if k < len(holes) and holes[k][0] < e:
+                if holes[k][0] > s:
+                    out.append((s, holes[k][0]))
+                s = max(s, holes[k][1])
+                k += 1
+            else:
+                out.append((s, e))
+                break
+    return out
 
 
 def _cut(intervals: list[Interval], target: int) -> list[list[Interval]]:
@@ -353,8 +448,9 @@ def _stage_calc(bands: list[Band], total_seqlen_k: int) -> StageCalc:
     q, k, t = [], [], []
     area = 0
     for b in bands:
-        area += b.area()
-        for qs, qe, ks, ke, typ in b.to_slices():
+        slices, n = b.slices_and_area()
+        area += n
+        for qs, qe, ks, ke, typ in slices:
             q.append((qs, qe))
             k.append((ks, ke))
             t.append(typ)

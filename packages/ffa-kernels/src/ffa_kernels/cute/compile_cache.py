@@ -4,15 +4,31 @@ The disk cache lives under ``$FFA_CACHE_DIR`` (default ``~/.cache/ffa_kernels``)
 named by a hash of every Python source of this package folder and the DSL version, so any
 change to a kernel, or to a device helper it imports, compiles afresh (a hand-kept list of
 device files could miss a new one and reuse a stale kernel).
+
+A cached file is machine code that this process loads and runs, so the cache is trusted only
+as far as nobody else can write it:
+
+- the cache folders are created with mode 0700;
+- a cache folder (``$FFA_CACHE_DIR`` or its hash folder) that is not owned by this user, or is
+  group- or world-writable, is neither read nor written: one warning, then kernels compile in
+  memory;
+- every file is written atomically (into a private temporary folder, then renamed), with its
+  sha256 recorded beside it (``<file>.sha256``, written before the file appears), and a file is
+  loaded only when its content still has that hash; otherwise the kernel compiles again (and
+  the entry is rewritten).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pathlib
+import shutil
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +98,132 @@ def forget(key: tuple | None = None) -> None:
         _COMPILED.pop(key, None)
 
 
+_WARNED_DIRS: set[str] = set()
+
+
+def dir_problem(path: pathlib.Path) -> str | None:
+    """Why the existing folder ``path`` cannot hold trusted kernels, or None when it can: it must
+    be a folder owned by this user and not writable by its group or by others."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):#o})"
+    return None
+
+
+def make_private_dirs(path: pathlib.Path) -> None:
+    """``mkdir -p`` where every folder created gets mode 0700 (existing folders are left alone)."""
+    missing = []
+    p = pathlib.Path(path)
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+            os.mkdir(d, 0o700)
+
+
+def usable_cache_dir(kdir: pathlib.Path) -> bool:
+    """Create ``kdir`` and its parent (the cache root) with mode 0700 where missing, and check
+    both with `dir_problem`. A folder that fails is reported once (a warning) and not used."""
+    for d in (kdir.parent, kdir):
+        try:
+            make_private_dirs(d)
+        except OSError as exc:
+            problem = f"cannot be created ({exc.strerror or exc})"
+        else:
+            problem = dir_problem(d)
+        if problem is not None:
+            if str(d) not in _WARNED_DIRS:
+                _WARNED_DIRS.add(str(d))
+                logger.warning(
+                    "ffa_kernels: not using the kernel disk cache %s: it %s; compiling in memory "
+                    "(set FFA_CACHE_DIR to a folder of your own, mode 0700)",
+                    d,
+                    problem,
+                )
+            return False
+    return True
+
+
+def file_sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_path(path: pathlib.Path) -> pathlib.Path:
+    """Where the sha256 of a cached file is recorded: ``<file>.sha256`` beside it."""
+    return path.with_name(path.name + ".sha256")
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file in ``path``'s folder, then rename it onto ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def store_file(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Move ``src`` onto ``dst`` (same file system: an atomic rename) after recording its sha256
+    beside ``dst``. The digest comes first, so a reader never finds the new file without it."""
+    write_atomic(digest_path(dst), f"{file_sha256(src)}  {dst.name}\n".encode())
+    os.replace(src, dst)
+
+
+def verify_file(path: pathlib.Path) -> str | None:
+    """Why ``path`` must not be loaded, or None when its content has the sha256 recorded beside it."""
+    try:
+        recorded = digest_path(path).read_text().split()
+    except OSError:
+        return "no recorded sha256 beside it"
+    if not recorded:
+        return "an empty sha256 record"
+    try:
+        actual = file_sha256(path)
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror or exc})"
+    if actual != recorded[0]:
+        return f"its sha256 {actual[:16]}... differs from the recorded {recorded[0][:16]}..."
+    return None
+
+
+def load_module(path: pathlib.Path, name: str):
+    """The compiled function ``name`` of the exported object file ``path``."""
+    from cutlass.cute.runtime import load_module as _load
+
+    return getattr(_load(str(path)), name)
+
+
+def export_kernel(fn, kdir: pathlib.Path, name: str) -> None:
+    """Export ``fn`` into ``kdir``: into a private temporary folder first, then each file moved
+    into place by `store_file` (sha256 recorded, atomic rename)."""
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=kdir, prefix=f".{name}."))  # mode 0700
+    try:
+        fn.export_to_c(str(tmp), name, function_prefix=name)
+        files = sorted(tmp.iterdir(), key=lambda f: f.suffix == ".o")  # the object file last
+        for f in files:
+            store_file(f, kdir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def compiled_kernel(
     key: tuple,
     name_prefix: str,
@@ -106,28 +248,29 @@ def compiled_kernel(
         name = name_prefix + hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         if use_disk_cache:
             kdir = cache_dir() / source_hash()
+            if not usable_cache_dir(kdir):
+                kdir = None
+        if kdir is not None:
             obj = kdir / f"{name}.o"
             if obj.exists():
-                try:
-                    from cutlass.cute.runtime import load_module
-
-                    fn = getattr(load_module(str(obj)), name)
-                    _COMPILED[key] = fn
-                    return fn
-                except Exception as exc:  # corrupt / incompatible file: recompile
-                    logger.warning("ffa_kernels: could not load cached kernel %s (%s); recompiling", obj, exc)
+                problem = verify_file(obj)
+                if problem is None:
+                    try:
+                        fn = load_module(obj, name)
+                        _COMPILED[key] = fn
+                        return fn
+                    except Exception as exc:  # incompatible file: recompile
+                        logger.warning(
+                            "ffa_kernels: could not load cached kernel %s (%s); recompiling", obj, exc
+                        )
+                else:
+                    logger.warning("ffa_kernels: not loading cached kernel %s: %s; recompiling", obj, problem)
         t0 = time.perf_counter()
         fn = cute.compile(build(), *compile_args(), options=f"--gpu-arch {arch()}")
         logger.info("ffa_kernels: compiled %s %s in %.1f s", what, name, time.perf_counter() - t0)
         if kdir is not None:
             try:
-                kdir.mkdir(parents=True, exist_ok=True)
-                tmp = kdir / f".{name}.{os.getpid()}"
-                tmp.mkdir(exist_ok=True)
-                fn.export_to_c(str(tmp), name, function_prefix=name)
-                for f in tmp.iterdir():
-                    os.replace(f, kdir / f.name)
-                tmp.rmdir()
+                export_kernel(fn, kdir, name)
             except Exception as exc:
                 logger.debug("ffa_kernels: disk cache write failed: %s", exc)
         _COMPILED[key] = fn
