@@ -28,13 +28,13 @@ from magi_solver import (
     OverlapConfig,
     make_plan,
     masks,
-    solver,
 )
+from magi_solver import plan as plan_module
 from magi_solver.band import Band
 from magi_solver.cli import main
 from magi_solver.overlap import ChunkCost, group_chunks, no_overlap_cost, overlap_cost, stage_costs
-from magi_solver.plan import CalcMeta
-from magi_solver.solver import Interval, _cut, _Layout, _overlapping, _stage_calc
+from magi_solver.plan import Interval, _cut, _Layout, _overlapping, _stage_calc
+from magi_solver.plan_models import CalcMeta
 from magi_solver.testing import cu_seqlens, long_tailed_lengths, random_mask
 from magi_solver.types import merge_intervals
 from magi_solver.verify import _cells, check_plan
@@ -179,7 +179,7 @@ class _OldRankGeometry:
 
 def _old_plan(monkeypatch, mask, cp, cfg):
     with monkeypatch.context() as m:
-        m.setattr(solver, "_RankGeometry", _OldRankGeometry)
+        m.setattr(plan_module, "_RankGeometry", _OldRankGeometry)
         return make_plan(mask, cp, cfg)
 
 

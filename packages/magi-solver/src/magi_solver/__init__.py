@@ -9,7 +9,8 @@ from magi_solver.band import Band
 from magi_solver.config import DispatchConfig, DistAttnConfig, OverlapAlg, OverlapConfig, OverlapMode
 from magi_solver.dispatch import DispatchAlg, DispatchSolution, solve_dispatch
 from magi_solver.overlap import ChunkCost, overlap_cost
-from magi_solver.plan import (
+from magi_solver.plan import chunk_grid, make_plan
+from magi_solver.plan_models import (
     CalcMeta,
     CommMeta,
     DistAttnPlan,
@@ -19,7 +20,6 @@ from magi_solver.plan import (
     RankPlan,
     StageCalc,
 )
-from magi_solver.solver import chunk_grid, make_plan
 from magi_solver.types import AttnMask, AttnMaskType, AttnRange, AttnRanges, AttnSlice
 
 __version__ = "0.1.0"

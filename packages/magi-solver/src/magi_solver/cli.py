@@ -27,8 +27,8 @@ from pydantic import ValidationError
 from magi_solver import masks
 from magi_solver.config import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_solver.dispatch import DispatchAlg, solve_dispatch
-from magi_solver.plan import DistAttnPlan
-from magi_solver.solver import make_plan
+from magi_solver.plan import make_plan
+from magi_solver.plan_models import DistAttnPlan
 from magi_solver.types import AttnMask
 
 BUILDERS = {

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from magi_solver.band import Band
-from magi_solver.plan import DistAttnPlan, GroupCastArgs, StageCalc
+from magi_solver.plan_models import DistAttnPlan, GroupCastArgs, StageCalc
 
 T = TypeVar("T")
 
