@@ -1,8 +1,8 @@
 """Backend selection (FFA_BACKEND, capability, dtype, import guard) and the CuTe dispatch path."""
 
-import logging
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -13,7 +13,11 @@ from ffa_kernels.cute.launch import accumulators_fit
 from ffa_kernels.testing import dense_attention
 
 CUDA = torch.device("cuda")
-LOGGER = "ffa_kernels._backend"
+Fallback = _backend.BackendFallbackWarning
+
+
+def _fallback_messages(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, Fallback)]
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +71,7 @@ def test_cpu_defaults_to_reference_without_importing_cute(monkeypatch):
 
 
 def test_env_var_values(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("FFA_BACKEND", "Reference")
     assert _backend.select_forward_backend(CUDA, torch.bfloat16) == "reference"
     monkeypatch.setenv("FFA_BACKEND", "triton")
@@ -76,8 +81,28 @@ def test_env_var_values(monkeypatch):
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         _backend.select_forward_backend(torch.device("cpu"), torch.float32)
     monkeypatch.setitem(sys.modules, "ffa_kernels.cute", None)  # import fails
-    with pytest.raises(RuntimeError, match=r"unavailable"):
+    with pytest.raises(RuntimeError, match=r"FFA_BACKEND=cute.*cannot serve.*unavailable"):
         _backend.select_forward_backend(CUDA, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "reason"),
+    [
+        ((8, 0), torch.bfloat16, r"compute capability 8\.0 .* is not 9\.x"),
+        ((9, 0), torch.float32, "float32 inputs"),
+    ],
+)
+def test_forced_cute_raises_naming_the_reason(monkeypatch, capability, dtype, reason):
+    """FFA_BACKEND=cute: what would be a fallback (with its warning) is a RuntimeError instead."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setitem(sys.modules, "ffa_kernels.cute", _fake_cute())
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Fallback)  # raised, not warned
+        with pytest.raises(
+            RuntimeError, match=rf"FFA_BACKEND=cute, but the CuTe backend cannot serve this call: {reason}"
+        ):
+            _backend.select_forward_backend(CUDA, dtype)
 
 
 @pytest.mark.parametrize(
@@ -85,34 +110,46 @@ def test_env_var_values(monkeypatch):
     [
         ((9, 0), torch.bfloat16, "ok", "cute", None),
         ((9, 0), torch.float16, "ok", "cute", None),
-        ((8, 0), torch.bfloat16, "ok", "reference", "8.0 is not 9.x"),
-        ((10, 0), torch.bfloat16, "ok", "reference", "10.0 is not 9.x"),
-        ((9, 0), torch.float32, "ok", "reference", "float16/bfloat16"),
+        ((8, 0), torch.bfloat16, "ok", "reference", "8.0 of cuda is not 9.x"),
+        ((10, 0), torch.bfloat16, "ok", "reference", "10.0 of cuda is not 9.x"),
+        ((9, 0), torch.float32, "ok", "reference", "float32 inputs (the kernels take float16/bfloat16"),
         ((9, 0), torch.bfloat16, "no_forward", "reference", "does not expose cute_forward"),
         ((9, 0), torch.bfloat16, "import_error", "reference", "import failed"),
     ],
 )
-def test_auto_selection_on_cuda(monkeypatch, caplog, capability, dtype, module, expected, log):
+def test_auto_selection_on_cuda(monkeypatch, capability, dtype, module, expected, log):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     fake = {"ok": _fake_cute(), "no_forward": _fake_cute(False), "import_error": None}[module]
     monkeypatch.setitem(sys.modules, "ffa_kernels.cute", fake)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         for _ in range(3):
             assert _backend.select_forward_backend(CUDA, dtype) == expected
-    messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    messages = _fallback_messages(record)
     if log is None:
         assert messages == []
     else:
-        assert len(messages) == 1 and log in messages[0]  # logged once, not per call
+        # warned once, not per call, naming the reason and the backend used
+        assert len(messages) == 1 and log in messages[0] and "reference backend" in messages[0]
 
 
-def test_backward_on_cute_runs_reference_and_logs_once(monkeypatch, caplog):
+def test_backward_on_cute_runs_reference_and_warns_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "ffa_kernels.cute", _fake_cute())
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         assert _backend.select_backward_backend(CUDA, torch.bfloat16) == "reference"
         assert _backend.select_backward_backend(CUDA, torch.bfloat16) == "reference"
-    assert sum("no CuTe backward" in r.getMessage() for r in caplog.records) == 1
+    assert sum("no backward kernel" in m for m in _fallback_messages(record)) == 1
+
+
+def test_cpu_is_not_a_fallback():
+    """The kernels are CUDA-only: CPU tensors run on the reference without a warning."""
+    q = torch.randn(4, 2, 8)
+    r = torch.tensor([[0, 4]], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Fallback)
+        flex_flash_attn_func(q, q, q, r, r)
 
 
 def test_cute_dispatch_path_sink_and_backward(monkeypatch):
@@ -181,7 +218,7 @@ def test_cute_stage_path_accumulates_in_place_or_merges(monkeypatch, acc):
     torch.testing.assert_close(max_acc.double(), ref_max, atol=tol, rtol=tol)
 
 
-def test_cute_not_implemented_falls_back_unless_forced(monkeypatch, caplog):
+def test_cute_not_implemented_falls_back_unless_forced(monkeypatch):
     def unsupported(*args, **kwargs):
         raise NotImplementedError("head_dim 3 is not supported")
 
@@ -191,12 +228,14 @@ def test_cute_not_implemented_falls_back_unless_forced(monkeypatch, caplog):
     monkeypatch.setattr(_backend, "select_forward_backend", lambda device, dtype: "cute")
     q = torch.randn(4, 2, 3, dtype=torch.float64)
     r = torch.tensor([[0, 4]], dtype=torch.int32)
-    with caplog.at_level(logging.INFO, logger=LOGGER):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         out, _ = flex_flash_attn_func(q, q, q, r, r)
         flex_flash_attn_func(q, q, q, r, r)
     ref, _, _ = dense_attention(q, q, q, r, r)
     torch.testing.assert_close(out, ref)
-    assert sum("head_dim 3 is not supported" in rec.getMessage() for rec in caplog.records) == 1
+    assert sum("(head_dim 3 is not supported)" in m for m in _fallback_messages(record)) == 1
     monkeypatch.setenv("FFA_BACKEND", "cute")
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match=r"FFA_BACKEND=cute, but .*: head_dim 3 is not supported") as info:
         flex_flash_attn_func(q, q, q, r, r)
+    assert isinstance(info.value.__cause__, NotImplementedError)

@@ -2,9 +2,12 @@
 
 Public API (the contract is docs/api.md):
 
-- `flex_flash_attn_func(q, k, v, q_ranges, k_ranges, attn_type_map=None, *, sink=None,
+- `flex_flash_attn_func(q, k, v, q_ranges, k_ranges, attn_type_map=None, *, mask=None, sink=None,
   sink_layout="sh", softmax_scale=None, softcap=0.0, deterministic=False,
-  return_max_logits=False) -> (out, AttnForwardMeta(lse, max_logits))`
+  return_max_logits=False) -> (out, AttnForwardMeta(lse, max_logits))`; torch.compile traces it
+  with no graph break (operators ``torch.ops.ffa_kernels.flex_flash_attn_forward`` / ``_backward``).
+- `FlexMask.from_ranges(q_ranges, k_ranges, attn_type_map, total_q, total_k)`: a mask checked
+  once, passed as ``mask=`` (no host copy or sync per call).
 - per-stage API for combining several calls over different key sets exactly (magi-dist):
   `ffa_forward_stage` (with `forward_accumulators`, `accumulator_dtype`), `ffa_backward_stage`,
   `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
@@ -16,9 +19,14 @@ Public API (the contract is docs/api.md):
   Function and magi-dist's (a second differentiation raises instead of being silently wrong).
 
 Backend: ``FFA_BACKEND=reference|cute``; by default the CuTe kernels on CUDA compute capability
-9.x when ``ffa_kernels.cute`` is importable, the pure-torch reference elsewhere.
+9.x when ``ffa_kernels.cute`` is importable, the pure-torch reference elsewhere. A CUDA call the
+kernels do not serve warns once per reason (`BackendFallbackWarning`) and runs on the reference;
+``FFA_BACKEND=cute`` makes that a ``RuntimeError``.
 """
 
+from . import _ops  # noqa: F401  (registers the torch.library operators)
+from ._backend import BackendFallbackWarning
+from ._flex_mask import FlexMask
 from ._frontend import (
     ffa_backward_stage,
     ffa_forward,
@@ -41,6 +49,8 @@ __all__ = [
     "INVCAUSAL",
     "AttnForwardMeta",
     "AttnInputs",
+    "BackendFallbackWarning",
+    "FlexMask",
     "MaskType",
     "__version__",
     "accumulator_dtype",

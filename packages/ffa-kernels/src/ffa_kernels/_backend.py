@@ -9,22 +9,34 @@
 
 ``ffa_kernels.cute`` is imported lazily (only when a CUDA tensor asks for it), so CPU-only
 installs never touch the CuTe DSL. In the default mode a ``NotImplementedError`` raised by
-``cute_forward`` (a configuration the kernel does not support) also falls back to the reference.
-Each reason for falling back is logged once. The backward follows the same choice
-(``cute_backward_stage``); a configuration its kernel does not serve falls back the same way.
+``cute_forward`` (a configuration the kernel does not support: head dim, dtype, ...) also falls
+back to the reference. The backward follows the same choice (``cute_backward_stage``); a
+configuration its kernel does not serve falls back the same way.
+
+Every fallback goes through `fallback` (the one place that decides): a CUDA call the kernels do
+not serve warns once per reason (`BackendFallbackWarning`, naming the reason and the backend used)
+and runs on the reference; with ``FFA_BACKEND=cute`` it raises ``RuntimeError`` naming the reason
+instead. CPU tensors are not a fallback (the kernels are CUDA-only): no warning.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
+import warnings
 from types import ModuleType
 
 import torch
 
-__all__ = ["ENV_VAR", "load_cute", "select_backward_backend", "select_forward_backend"]
+__all__ = [
+    "ENV_VAR",
+    "BackendFallbackWarning",
+    "fallback",
+    "load_cute",
+    "select_backward_backend",
+    "select_forward_backend",
+]
 
 ENV_VAR = "FFA_BACKEND"
 REFERENCE = "reference"
@@ -32,26 +44,46 @@ CUTE = "cute"
 _CHOICES = (REFERENCE, CUTE)
 _CUTE_DTYPES = (torch.float16, torch.bfloat16)
 
-_log = logging.getLogger(__name__)
-_logged: set[str] = set()
+_warned: set[str] = set()
 _UNSET = object()
 _cute: object = _UNSET  # cached result of load_cute(): module, or None when unavailable
 _cute_error: str = ""
 
 
-def log_once(key: str, msg: str, *args: object) -> None:
-    """Log ``msg`` at INFO level the first time ``key`` is seen in this process."""
-    if key not in _logged:
-        _logged.add(key)
-        _log.info(msg, *args)
+class BackendFallbackWarning(UserWarning):
+    """A CUDA call that the CuTe kernels do not serve ran on the (much slower) reference backend.
+
+    Issued once per reason. ``FFA_BACKEND=reference`` chooses the reference on purpose (no
+    warning); ``FFA_BACKEND=cute`` turns the fallback into a ``RuntimeError``.
+    """
+
+
+def fallback(reason: str, cause: BaseException | None = None) -> str:
+    """The one decision for a call the CuTe backend cannot serve: raise ``RuntimeError`` naming
+    ``reason`` under ``FFA_BACKEND=cute`` (chained to ``cause``, e.g. the kernel's
+    ``NotImplementedError``), else warn once per reason and return ``"reference"``."""
+    if forced_backend() == CUTE:
+        raise RuntimeError(
+            f"{ENV_VAR}=cute, but the CuTe backend cannot serve this call: {reason}"
+        ) from cause
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"ffa_kernels: the CuTe backend cannot serve this call ({reason}); it runs on the "
+            f"reference backend (much slower). Set {ENV_VAR}=reference to choose the reference "
+            f"without this warning, or {ENV_VAR}=cute to make this an error.",
+            BackendFallbackWarning,
+            stacklevel=2,
+        )
+    return REFERENCE
 
 
 def reset_cache() -> None:
-    """Forget the cached import of ``ffa_kernels.cute`` and the log-once memory (for tests)."""
+    """Forget the cached import of ``ffa_kernels.cute`` and the warn-once memory (for tests)."""
     global _cute, _cute_error
     _cute, _cute_error = _UNSET, ""
     _capability.cache_clear()
-    _logged.clear()
+    _warned.clear()
 
 
 def load_cute() -> ModuleType | None:
@@ -86,43 +118,30 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _cute_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the CuTe kernels cannot serve tensors of this CUDA device and dtype, or None."""
+    major, minor = _capability(device)
+    if major != 9:
+        return f"compute capability {major}.{minor} of {device} is not 9.x (sm90)"
+    if dtype not in _CUTE_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return f"{name} inputs (the kernels take float16/bfloat16; torch.autocast casts to them)"
+    if load_cute() is None:
+        return f"the CuTe backend is unavailable: {_cute_error}"
+    return None
+
+
 def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``"cute"`` or ``"reference"`` for a forward on tensors of this device and dtype."""
     forced = forced_backend()
     if forced == REFERENCE:
         return REFERENCE
-    if forced == CUTE:
-        if device.type != "cuda":
-            raise RuntimeError(f"{ENV_VAR}=cute needs CUDA tensors, got device {device}")
-        if load_cute() is None:
-            raise RuntimeError(f"{ENV_VAR}=cute but the CuTe backend is unavailable ({_cute_error})")
-        return CUTE
     if device.type != "cuda":
-        return REFERENCE
-    major, minor = _capability(device)
-    if major != 9:
-        log_once(
-            f"cc{major}{minor}",
-            "ffa_kernels: compute capability %d.%d is not 9.x; using the reference backend",
-            major,
-            minor,
-        )
-        return REFERENCE
-    if dtype not in _CUTE_DTYPES:
-        log_once(
-            f"dtype-{dtype}",
-            "ffa_kernels: the CuTe backend takes float16/bfloat16, got %s; using the reference backend",
-            dtype,
-        )
-        return REFERENCE
-    if load_cute() is None:
-        log_once(
-            "cute-missing",
-            "ffa_kernels: CuTe backend unavailable (%s); using the reference backend",
-            _cute_error,
-        )
-        return REFERENCE
-    return CUTE
+        if forced == CUTE:
+            raise RuntimeError(f"{ENV_VAR}=cute needs CUDA tensors, got device {device}")
+        return REFERENCE  # CPU and other devices: the reference is the backend, not a fallback
+    reason = _cute_unavailable_reason(device, dtype)
+    return CUTE if reason is None else fallback(reason)
 
 
 def select_backward_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -130,8 +149,5 @@ def select_backward_backend(device: torch.device, dtype: torch.dtype) -> str:
     also has the backward kernel (``cute_backward_stage``)."""
     choice = select_forward_backend(device, dtype)
     if choice == CUTE and not callable(getattr(load_cute(), "cute_backward_stage", None)):
-        log_once(
-            "cute-no-backward", "ffa_kernels: no CuTe backward; the backward runs on the reference backend"
-        )
-        return REFERENCE
+        return fallback("the CuTe module has no backward kernel (cute_backward_stage)")
     return choice

@@ -6,17 +6,26 @@ same in one launch (the sink seeds its softmax state). Its backward is one `ffa_
 with the final out/lse plus `sink_backward`. With the kernel, a stage merges into float32
 accumulators inside its epilogue. magi-dist calls the stages itself, once per key set, to get
 the same result for a mask whose keys live on several ranks.
+
+Under torch.compile (and for meta / fake tensors) `flex_flash_attn_func` calls the operators
+``torch.ops.ffa_kernels.flex_flash_attn_forward`` / ``..._backward`` (`_ops.py`) instead of the
+autograd Function: the same computation (`_run_forward`, `_backward_whole`) behind a
+``torch.library`` op that Dynamo does not trace into. Eager calls skip the dispatcher (its
+Python custom-op layers cost more than the whole host path of a call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _backend
 from ._backward import reference_backward_stage
+from ._flex_mask import FlexMask
 from ._forward import reference_forward_stage
 from ._merge import merge_finite_lse_
 from ._sink import apply_sink, sink_backward
@@ -25,6 +34,7 @@ from ._validate import (
     ValidatedAttnArgs,
     accumulator_dtype,
     check_accumulator,
+    check_attn_metadata,
     check_bool,
     check_float_tensor,
     check_sink,
@@ -55,13 +65,35 @@ def _cute_module(args: ValidatedAttnArgs):
 
 
 def _kernel_declined(exc: NotImplementedError) -> None:
-    # The kernel's way to say "this configuration is not supported": unless the user forced
-    # FFA_BACKEND=cute, the reference computes the same thing, only slower.
-    if _backend.forced_backend() == _backend.CUTE:
-        raise exc
-    _backend.log_once(
-        f"cute-unsupported-{exc}", "ffa_kernels: CuTe backend: %s; using the reference backend", exc
-    )
+    # The kernel's way to say "this configuration is not supported" (head dim, dtype, ...): the
+    # reference computes the same thing, only slower. `_backend.fallback` warns once per reason,
+    # or raises RuntimeError under FFA_BACKEND=cute.
+    _backend.fallback(str(exc), cause=exc)
+
+
+def _autocast_on(kind: str) -> bool:
+    """Whether autocast is enabled for the device type ``kind`` (False where it has none)."""
+    if kind not in ("cuda", "cpu") and not torch.amp.is_autocast_available(kind):
+        return False
+    return torch.is_autocast_enabled(kind)
+
+
+def _autocast_off(device: torch.device):
+    """A context that turns autocast off on ``device`` (the reference backend's float32 math must
+    not run in the autocast dtype), or a no-op when autocast is off there."""
+    if torch._C._is_any_autocast_enabled() and _autocast_on(device.type):  # the first test: 0.3 us
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _reference_forward_stage(args: ValidatedAttnArgs, out_acc, lse_acc, max_logits_acc) -> None:
+    with _autocast_off(args.q.device):
+        reference_forward_stage(args, out_acc, lse_acc, max_logits_acc)
+
+
+def _reference_backward_stage(args: ValidatedAttnArgs, dout, out, lse, dq_acc, dk_acc, dv_acc) -> None:
+    with _autocast_off(args.q.device):
+        reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
 
 
 def _kernel_forward(cute, args: ValidatedAttnArgs, sink, sink_layout: str, return_max_logits: bool):
@@ -113,7 +145,7 @@ def _forward_stage(
             if max_logits_acc is not None:
                 torch.maximum(max_logits_acc, max_logits.to(max_logits_acc.dtype), out=max_logits_acc)
             return
-    reference_forward_stage(args, out_acc, lse_acc, max_logits_acc)
+    _reference_forward_stage(args, out_acc, lse_acc, max_logits_acc)
 
 
 def _forward_whole(
@@ -128,7 +160,7 @@ def _forward_whole(
         except NotImplementedError as exc:
             _kernel_declined(exc)
     out_acc, lse_acc, max_acc = forward_accumulators(args.q, max_logits=return_max_logits)
-    reference_forward_stage(args, out_acc, lse_acc, max_acc)
+    _reference_forward_stage(args, out_acc, lse_acc, max_acc)
     apply_sink(out_acc, lse_acc, sink, sink_layout)
     return out_acc, lse_acc, max_acc
 
@@ -159,7 +191,7 @@ def _backward_whole(
     dq_acc = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk_acc = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv_acc = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+    _reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
@@ -196,7 +228,26 @@ def _backward_stage(
             return
         except NotImplementedError as exc:
             _kernel_declined(exc)
-    reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+    _reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
+
+
+def _run_forward(
+    args: ValidatedAttnArgs, sink: torch.Tensor | None, sink_layout: str, return_max_logits: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flex_flash_attn_func`'s forward, as its operator returns it: out ``(Tq, Hq, D)`` in q's
+    dtype, lse ``(Tq, Hq)`` in the accumulator dtype (float32; float64 for float64 q: what the
+    backward gets back), max_logits float32 ``(Hq,)`` (empty ``(0,)`` unless asked for). All
+    contiguous and fresh (the operator's fake implementation promises these layouts)."""
+    out, lse, max_logits = _forward_whole(args, sink, sink_layout, return_max_logits)
+    q = args.q
+    if max_logits is None:
+        max_logits = torch.empty(0, dtype=torch.float32, device=q.device)
+    return _as(out, q.dtype), _as(lse, accumulator_dtype(q.dtype)), _as(max_logits, torch.float32)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``t.to(dtype)`` costs microseconds even when it returns ``t``: test the dtype first
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # ----------------------------------------------------------------------------- stage API
@@ -408,12 +459,11 @@ class _FlexFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits, deterministic):  # type: ignore[override]
-        out_full, lse_full, max_full = _forward_whole(args, sink, sink_layout, return_max_logits)
-        out = out_full.to(q.dtype)
-        lse = lse_full.to(torch.float32)
-        max_logits = max_full.to(torch.float32) if max_full is not None else torch.empty(0, device=q.device)
-        # The backward uses the forward's own out/lse (accumulator precision on the reference path).
-        ctx.save_for_backward(q, k, v, sink, out_full, lse_full)
+        # What the operator (`_ops.py`) returns and saves too: out in q's dtype, lse in the
+        # accumulator precision (float64 for float64 inputs).
+        out, lse_acc, max_logits = _run_forward(args, sink, sink_layout, return_max_logits)
+        lse = _as(lse_acc, torch.float32)
+        ctx.save_for_backward(q, k, v, sink, out, lse_acc)
         # q, k, v travel through save_for_backward only (version checks, freed after backward);
         # keep the rest of the validated arguments with empty stand-ins for the tensors.
         none = q.new_empty(0)
@@ -426,24 +476,73 @@ class _FlexFlashAttn(torch.autograd.Function):
     @staticmethod
     @once_differentiable("flex_flash_attn_func")  # a second grad raises instead of being wrong
     def backward(ctx, dout, _dlse, _dmax):  # type: ignore[override]
-        q, k, v, sink, out_acc, lse_acc = ctx.saved_tensors
+        q, k, v, sink, out, lse_acc = ctx.saved_tensors
         args = dataclasses.replace(ctx.args, q=q, k=k, v=v)
         dq = dk = dv = dsink = None
         if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _backward_whole(args, dout, out_acc, lse_acc, ctx.deterministic)
+            dq, dk, dv = _backward_whole(args, dout, out, lse_acc, ctx.deterministic)
         if sink is not None and ctx.needs_input_grad[3]:
-            dsink = sink_backward(sink, ctx.sink_layout, out_acc, dout, lse_acc)
+            dsink = sink_backward(sink, ctx.sink_layout, out, dout, lse_acc)
         return dq, dk, dv, dsink, None, None, None, None
+
+
+def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, object]:
+    """SDPA's autocast policy: under ``torch.autocast(q's device type, dtype)``, floating q, k, v
+    other than float64 are cast to the autocast dtype (differentiably: their gradients come back
+    in their own dtype). The sink stays float32. A no-op outside autocast."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v
+    kind = q.device.type
+    if not _autocast_on(kind):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+
+    def cast(t: object) -> object:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
+            return t.to(dtype)
+        return t
+
+    return cast(q), cast(k), cast(v)
+
+
+def _mask_ranges(
+    mask: object, q_ranges: object, k_ranges: object, attn_type_map: object, q: object, k: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The range tensors of ``mask=``, after checking that it fits the call (metadata only)."""
+    if not isinstance(mask, FlexMask):
+        raise TypeError(f"mask must be a ffa_kernels.FlexMask, got {type(mask).__name__}")
+    if q_ranges is not None or k_ranges is not None or attn_type_map is not None:
+        raise ValueError("pass either mask= or q_ranges / k_ranges / attn_type_map, not both")
+    for name, t, total in (("q", q, mask.total_q), ("k", k, mask.total_k)):
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] != total:
+            raise ValueError(
+                f"mask was built for total_{name}={total}, but {name} has {t.shape[0]} tokens "
+                f"(shape {tuple(t.shape)})"
+            )
+    if isinstance(q, torch.Tensor) and mask.q_ranges.device != q.device:
+        raise ValueError(
+            f"mask is on {mask.q_ranges.device}, q on {q.device}: move the mask once with mask.to(q.device)"
+        )
+    return mask.q_ranges, mask.k_ranges, mask.attn_type_map
+
+
+def _traced(q: object) -> bool:
+    """Whether this call is being traced (torch.compile / export) or runs on meta or fake
+    tensors: then it goes through the operator, which checks the range values when it runs."""
+    return torch.compiler.is_compiling() or (
+        isinstance(q, torch.Tensor) and (q.is_meta or isinstance(q, FakeTensor))
+    )
 
 
 def flex_flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    q_ranges: torch.Tensor,
-    k_ranges: torch.Tensor,
+    q_ranges: torch.Tensor | None = None,
+    k_ranges: torch.Tensor | None = None,
     attn_type_map: torch.Tensor | None = None,
     *,
+    mask: FlexMask | None = None,
     sink: torch.Tensor | None = None,
     sink_layout: str = "sh",
     softmax_scale: float | None = None,
@@ -456,11 +555,14 @@ def flex_flash_attn_func(
     Args:
         q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64 (the
             reference backend computes in float32, float64 for float64 inputs); ``Hq % Hk == 0``,
-            q head h uses kv head ``h // (Hq // Hk)``.
+            q head h uses kv head ``h // (Hq // Hk)``. Under ``torch.autocast`` float32 (and
+            float16/bfloat16) q, k, v are cast to the autocast dtype, as for SDPA.
         q_ranges, k_ranges: int32 ``(N, 2)`` half-open ``[start, end)`` ranges, on q's device
             (CPU is accepted too).
         attn_type_map: int32 ``(N,)`` codes FULL=0, CAUSAL=1, INVCAUSAL=2, BICAUSAL=3; None = all
             FULL. The slices must not cover a cell twice (not checked: it would cost an area pass).
+        mask: a `FlexMask` (``FlexMask.from_ranges(...)``, checked once) instead of the three range
+            arguments: no host copy or sync per call, in eager mode and under torch.compile.
         sink: float32 ``(S_sink, Hq)`` for ``sink_layout="sh"`` or ``(Tq, S_sink, Hq)`` for
             ``"ssh"``: extra logits in every row's softmax that add no output.
         softmax_scale: None means ``D ** -0.5``.
@@ -478,13 +580,42 @@ def flex_flash_attn_func(
 
     Raises:
         TypeError / ValueError: invalid arguments, before any compute (the message names the
-            argument and the value seen).
+            argument and the value seen). Under torch.compile the range values (bounds, codes)
+            are checked by the operator when the compiled graph runs, raising the same errors.
+
+    Non-finite K/V: the reference backend never lets a NaN or inf in K or V reach a row that
+    does not see its key (out, lse and dq of such rows, and dk/dv of keys only they see, are
+    what a finite value would give). The CuTe GPU kernel keeps FlashAttention-4's behaviour: a
+    NaN/inf in K or V inside a partially masked tile can reach the rows of that tile that do
+    not see the key (0 x NaN in P @ V).
+
+    torch.compile: traced with no graph break (``fullgraph=True``) into one operator per
+    direction (``torch.ops.ffa_kernels.flex_flash_attn_forward`` / ``_backward``); range tensors
+    whose values change between steps (same N) cause no recompile.
     """
-    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    sink = check_sink(sink, sink_layout, args.q)
-    check_bool("deterministic", deterministic)
-    check_bool("return_max_logits", return_max_logits)
-    out, lse, max_logits = _FlexFlashAttn.apply(
-        args.q, args.k, args.v, sink, args, sink_layout, return_max_logits, deterministic
-    )
+    if mask is not None:
+        q_ranges, k_ranges, attn_type_map = _mask_ranges(mask, q_ranges, k_ranges, attn_type_map, q, k)
+    traced = _traced(q)
+    if traced or torch._C._is_any_autocast_enabled():  # eager: skip the per-device test (~2 us)
+        q, k, v = _autocast_inputs(q, k, v)
+    if traced:
+        # Metadata checks only (traceable); the operator checks the range values when it runs.
+        q, k, v, qr, kr, tm, scale, cap = check_attn_metadata(
+            q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap
+        )
+        sink = check_sink(sink, sink_layout, q)
+        check_bool("deterministic", deterministic)
+        check_bool("return_max_logits", return_max_logits)
+        out, lse, max_logits = torch.ops.ffa_kernels.flex_flash_attn_forward(
+            q, k, v, qr, kr, tm, sink, sink_layout, scale, cap, return_max_logits, deterministic
+        )
+        lse = lse.to(torch.float32)
+    else:
+        args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+        sink = check_sink(sink, sink_layout, args.q)
+        check_bool("deterministic", deterministic)
+        check_bool("return_max_logits", return_max_logits)
+        out, lse, max_logits = _FlexFlashAttn.apply(
+            args.q, args.k, args.v, sink, args, sink_layout, return_max_logits, deterministic
+        )
     return out, AttnForwardMeta(lse=lse, max_logits=max_logits if return_max_logits else None)

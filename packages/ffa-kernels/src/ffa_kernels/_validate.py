@@ -5,7 +5,9 @@ Every error names the offending argument and the value seen, so a wrong call fai
 instead of producing a silently wrong result. The checks are cheap: shape/dtype/device checks
 are metadata only, and the range values reach the host once (one device-to-host copy of an
 ``(N, 5)`` int tensor), after which the value checks are vectorised; repeated calls with the
-same range tensors reuse the result (see ``_CHECKED_RANGES`` for what a hit needs).
+same range tensors reuse the result (see ``_CHECKED_RANGES`` for what a hit needs). The range
+tensors of a live `ffa_kernels.FlexMask` were checked when it was built (`register_mask`): they
+skip the value checks for as long as they live unmodified, with no cache to fall out of.
 What is checked where, and what is not, is in docs/reliability.md.
 """
 
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,10 +28,13 @@ __all__ = [
     "ValidatedAttnArgs",
     "accumulator_dtype",
     "check_accumulator",
+    "check_attn_metadata",
     "check_bool",
     "check_float_tensor",
     "check_sink",
     "check_sink_shape",
+    "mask_record",
+    "register_mask",
     "validate_attn_args",
     "validate_attn_inputs",
 ]
@@ -154,10 +160,87 @@ def _host_content(tensors: tuple[torch.Tensor | None, ...]) -> tuple[bytes | Non
     return tuple(t.numpy().tobytes() if t is not None and t.device.type == "cpu" else None for t in tensors)
 
 
+@dataclass(eq=False)
+class MaskRecord:
+    """What `ffa_kernels.FlexMask` checked once: kept beside its ``q_ranges`` tensor (weakly
+    referenced, so it lives exactly as long as the mask's tensors). ``plans``: the CuTe tile plans
+    of the mask (cute/plan.py), kept here so that a live mask never plans twice."""
+
+    q_ref: weakref.ReferenceType
+    k_ref: weakref.ReferenceType
+    tm_ref: weakref.ReferenceType
+    versions: tuple[int, int, int]
+    total_q: int
+    total_k: int
+    device: torch.device
+    slices: list[tuple[int, int, int, int, int]]
+    plans: dict = field(default_factory=dict)
+
+
+# id(q_ranges) -> record; the entry goes when that tensor dies (weakref callback), before its
+# id can be reused. A plain dict: the lookup on every call is one dict.get.
+_MASK_RECORDS: dict[int, MaskRecord] = {}
+
+
+def _forget(key: int, ref: weakref.ReferenceType) -> None:
+    rec = _MASK_RECORDS.get(key)
+    if rec is not None and rec.q_ref is ref:
+        del _MASK_RECORDS[key]
+
+
+def register_mask(
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    slices: list[tuple[int, int, int, int, int]],
+) -> MaskRecord:
+    """Record that these (contiguous int32, one device) range tensors hold the checked ``slices``
+    for ``total_q`` x ``total_k`` tokens. For `ffa_kernels.FlexMask`, which owns the tensors."""
+    key = id(q_ranges)
+    rec = MaskRecord(
+        weakref.ref(q_ranges, lambda ref, key=key: _forget(key, ref)),
+        weakref.ref(k_ranges),
+        weakref.ref(attn_type_map),
+        (q_ranges._version, k_ranges._version, attn_type_map._version),
+        int(total_q),
+        int(total_k),
+        q_ranges.device,
+        slices,
+    )
+    _MASK_RECORDS[key] = rec
+    return rec
+
+
+def mask_record(
+    q_ranges: object,
+    k_ranges: object,
+    attn_type_map: object,
+    total_q: int | None = None,
+    total_k: int | None = None,
+) -> MaskRecord | None:
+    """The record of the live `FlexMask` whose tensors these are, unmodified since it was built
+    (and built for ``total_q`` x ``total_k`` when they are given), else None. No device access."""
+    rec = _MASK_RECORDS.get(id(q_ranges))
+    if rec is None or rec.q_ref() is not q_ranges:
+        return None
+    if rec.k_ref() is not k_ranges or rec.tm_ref() is not attn_type_map:
+        return None
+    if (q_ranges._version, k_ranges._version, attn_type_map._version) != rec.versions:  # type: ignore[union-attr]
+        return None  # written in place: not the checked mask any more
+    if (total_q is not None and total_q != rec.total_q) or (total_k is not None and total_k != rec.total_k):
+        return None
+    return rec
+
+
 def _check_ranges(
     q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
     tensors = _check_range_tensors(q_ranges, k_ranges, attn_type_map, device)
+    rec = mask_record(*tensors, tq, tk)
+    if rec is not None and rec.device == device:  # a FlexMask's tensors: checked when it was built
+        return tensors[0], tensors[1], tensors[2], rec.slices  # type: ignore[return-value]
     if not cacheable(tensors):  # inference tensors: no version counter to key by
         return _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
     extra = (tq, tk, str(device))
@@ -252,6 +335,29 @@ def validate_attn_args(
     qr, kr, tm, slices = _check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0], q.device)
     scale, cap = _check_scale_softcap(q, softmax_scale, softcap)
     return ValidatedAttnArgs(q, k, v, qr, kr, tm, slices, scale, cap)
+
+
+def check_attn_metadata(
+    q: object,
+    k: object,
+    v: object,
+    q_ranges: object,
+    k_ranges: object,
+    attn_type_map: object,
+    softmax_scale: object,
+    softcap: object,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, float
+]:
+    """`validate_attn_args` without the range values: types, shapes, dtypes, devices, scale and
+    softcap; ``(q, k, v, q_ranges, k_ranges, attn_type_map or None, softmax_scale, softcap)``
+    normalised as there. Metadata only (no copy of the ranges, no device access), so it also runs
+    while torch.compile traces; the values are then checked by the operator when it runs
+    (`validate_attn_args` in `_ops.py`)."""
+    q, k, v = _check_qkv(q, k, v)
+    qr, kr, tm = _check_range_tensors(q_ranges, k_ranges, attn_type_map, q.device)
+    scale, cap = _check_scale_softcap(q, softmax_scale, softcap)
+    return q, k, v, qr, kr, tm, scale, cap
 
 
 def _check_scale_softcap(q: torch.Tensor, softmax_scale: object, softcap: object) -> tuple[float, float]:

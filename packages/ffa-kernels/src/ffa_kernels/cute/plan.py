@@ -33,6 +33,7 @@ import torch
 
 from .._identity_cache import IdentityCache
 from .._types import BICAUSAL, CAUSAL, INVCAUSAL
+from .._validate import mask_record
 
 BIG = 1 << 30
 ENTRY_COLS = 12
@@ -278,12 +279,31 @@ def get_plan(
     number of keys, ``tile_m`` the key tile and ``tile_n`` the q block; ``deterministic``: its
     q blocks aligned, with `visit_ranks`).
 
+    0. The tensors of a live `ffa_kernels.FlexMask`: its plans live with it (built from its
+       host copy of the slices: no device->host copy even the first time).
     1. Identity cache: the same range tensor objects (same storage, same in-place version
        counter) give the cached plan with no device->host copy and no sync at all.
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
     """
     tensors = (q_ranges, k_ranges, attn_type_map)
     extra = (int(total_q), tile_m, tile_n, str(device), backward, deterministic)
+    rec = mask_record(q_ranges, k_ranges, attn_type_map)
+    if rec is not None:
+        plan = rec.plans.get(extra)
+        if plan is None:
+            host = torch.tensor(rec.slices, dtype=torch.int32).reshape(-1, 5)
+            plan = rec.plans[extra] = _get_plan_by_content(
+                host[:, 0:2],
+                host[:, 2:4],
+                host[:, 4],
+                total_q,
+                tile_m,
+                tile_n,
+                device,
+                backward,
+                deterministic,
+            )
+        return plan
     plan = _IDENT_CACHE.get(tensors, extra)
     if plan is None:
         plan = _get_plan_by_content(
