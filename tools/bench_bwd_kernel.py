@@ -22,11 +22,11 @@ from bench_ffa import bench, make_cases
 
 def _variant(name: str) -> None:
     """Patch the kernel class for one variant and drop every compiled backward."""
-    from ffa_kernels.cute import bwd_launch, bwd_sm90, compile_cache
+    from ffa_kernels.cute import bwd_interface, bwd_sm90, compile_cache
 
     os.environ["FFA_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"ffa_{name}_")
     compile_cache.forget()
-    bwd_launch._LAUNCHERS.clear()
+    bwd_interface._LAUNCHERS.clear()
     cls = bwd_sm90.FFABackwardSm90
     if not hasattr(cls, "_orig_add_dq"):
         cls._orig_add_dq = cls.add_dq

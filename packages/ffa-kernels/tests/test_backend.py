@@ -9,7 +9,7 @@ import torch
 
 from ffa_kernels import _backend, apply_sink, ffa_forward_stage, flex_flash_attn_func
 from ffa_kernels._merge import merge_lse_
-from ffa_kernels.cute.launch import accumulators_fit
+from ffa_kernels.cute.interface import accumulators_fit
 from ffa_kernels.testing import dense_attention
 
 CUDA = torch.device("cuda")

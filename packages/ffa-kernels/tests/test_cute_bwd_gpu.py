@@ -347,7 +347,7 @@ def test_bwd_whole_call_random(seed):
 def test_bwd_preprocess_kernel(out_dtype, d):
     """lse2 and delta from the preprocess kernel equal torch's float32 math; uncovered rows
     (lse = -inf) get +inf, the padding +inf / 0."""
-    from ffa_kernels.cute.bwd_launch import bwd_preprocess
+    from ffa_kernels.cute.bwd_interface import bwd_preprocess
 
     tq, hq = 1037, 6
     dout = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)

@@ -13,7 +13,7 @@ import torch
 
 from ffa_kernels import testing
 from ffa_kernels.cute.config import default_config
-from ffa_kernels.cute.plan import build_plan_cpu
+from ffa_kernels.cute.tile_plan import build_plan_cpu
 
 
 def dense_mask(q_ranges, k_ranges, types, tq, tk):
@@ -64,7 +64,7 @@ def random_slices(rng, tq, tk, n):
 def test_deterministic_bwd_plan_is_aligned_and_ranked(seed):
     """The deterministic backward plan: still every cell once, q blocks on the tile grid, and
     the visit ranks equal a brute-force count of earlier visits (in CTA order) to each block."""
-    from ffa_kernels.cute.plan import build_bwd_plan_cpu, visit_ranks
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu, visit_ranks
 
     tile_n, tile_m = 128, 64  # key tile, q block
     rng = random.Random(500 + seed)
@@ -97,7 +97,7 @@ def test_deterministic_order_never_waits_in_lockstep(seed, mask):
     """On causal documents and sliding windows, the deterministic plan's order lets every CTA
     add to a q block after all earlier CTAs (its rank) did, if all walk in lockstep: along the
     CTA order, the steps at which the visits to one q block happen strictly increase."""
-    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
 
     tile_n, tile_m = 128, 64
     rng = random.Random(700 + seed)
@@ -135,7 +135,7 @@ def test_deterministic_order_never_waits_in_lockstep(seed, mask):
 def test_plan_covers_mask_exactly(seed, tiles, backward):
     """The forward plan (row tiles = q tiles) and the backward's (the forward's construction on
     the transposed mask: row tiles = key tiles, blocks of q rows) cover every cell once."""
-    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
 
     tile_m, tile_n = tiles
     rng = random.Random(seed + 100 * backward)
@@ -199,11 +199,11 @@ VARIANTS = [
 def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
     """The packed launcher hands the compiled host function exactly the C values the DSL's own
     marshalling would, for random argument values (nothing is launched: a spy takes the call)."""
-    from ffa_kernels.cute import compile_cache, launcher
+    from ffa_kernels.cute import compile_cache, kernel_args
 
-    spec = launcher.arg_spec(accumulate)
+    spec = kernel_args.arg_spec(accumulate)
     elem = compile_cache.dtype_of(torch_dtype)
-    assert launcher.packed_matches_dsl(fn, spec, elem)
+    assert kernel_args.packed_matches_dsl(fn, spec, elem)
     rng = random.Random(len(spec))
     vals = [
         rng.randrange(1, 2**43) * 16 if kind in ("ptr", "stream")
@@ -217,12 +217,12 @@ def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
         execution_args = fn.execution_args
 
         def run_compiled_program(self, addrs):
-            seen.append(launcher.read_c_values(spec, addrs))
+            seen.append(kernel_args.read_c_values(spec, addrs))
 
-    launcher.PackedLauncher(Spy(), spec)(vals)
-    dsl_objects = tuple(launcher.dsl_args(spec, vals, elem))
+    kernel_args.PackedLauncher(Spy(), spec)(vals)
+    dsl_objects = tuple(kernel_args.dsl_args(spec, vals, elem))
     exe_args, _adapted = fn.execution_args.generate_execution_args(dsl_objects, {})
-    assert seen == [launcher.read_c_values(spec, exe_args)]
+    assert seen == [kernel_args.read_c_values(spec, exe_args)]
 
 
 def test_compile_every_variant(tmp_path, monkeypatch):
@@ -230,14 +230,14 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     GPU; also exercises the disk cache."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
-    from ffa_kernels.cute import compile_cache, launch
+    from ffa_kernels.cute import compile_cache, interface
 
     times = {}
     for d, dt, softcap, acc in VARIANTS:
         cfg = default_config(d)
-        compile_cache.forget(launch.compile_key(dt, cfg, softcap, acc))
+        compile_cache.forget(interface.compile_key(dt, cfg, softcap, acc))
         t0 = time.perf_counter()
-        fn = launch.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
+        fn = interface.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
         times[(d, str(dt), softcap, acc)] = time.perf_counter() - t0
         assert_packed_launch_equals_dsl(fn, dt, acc)
         # return_max_logits and sink are runtime flags: no extra variants
@@ -254,22 +254,22 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     monkeypatch.setattr(cutlass.cute, "compile", no_compile)
     t0 = time.perf_counter()
     for d, dt, softcap, acc in VARIANTS:
-        fn = launch.get_kernel(dt, default_config(d), softcap, accumulate=acc, use_disk_cache=True)
+        fn = interface.get_kernel(dt, default_config(d), softcap, accumulate=acc, use_disk_cache=True)
         assert_packed_launch_equals_dsl(fn, dt, acc)
     print(f"{len(VARIANTS)} variants loaded from the disk cache in {time.perf_counter() - t0:.2f} s")
 
 
 def test_compile_key_is_stable_and_separates_variants():
     pytest.importorskip("cutlass")
-    from ffa_kernels.cute import launch
+    from ffa_kernels.cute import interface
 
-    k1 = launch.compile_key(torch.bfloat16, default_config(128), False)
-    assert k1 == launch.compile_key(torch.bfloat16, default_config(128), False)
+    k1 = interface.compile_key(torch.bfloat16, default_config(128), False)
+    assert k1 == interface.compile_key(torch.bfloat16, default_config(128), False)
     others = [
-        launch.compile_key(torch.bfloat16, default_config(128), False, True),
-        launch.compile_key(torch.float16, default_config(128), False),
-        launch.compile_key(torch.bfloat16, default_config(64), False),
-        launch.compile_key(torch.bfloat16, default_config(128), True),
+        interface.compile_key(torch.bfloat16, default_config(128), False, True),
+        interface.compile_key(torch.float16, default_config(128), False),
+        interface.compile_key(torch.bfloat16, default_config(64), False),
+        interface.compile_key(torch.bfloat16, default_config(128), True),
     ]
     assert len({k1, *others}) == 5
 
@@ -278,7 +278,7 @@ def test_accumulate_exported_and_validates():
     """cute_forward_accumulate is exported with cutlass and rejects bad accumulators before any launch."""
     pytest.importorskip("cutlass")
     import ffa_kernels.cute as fc
-    from ffa_kernels.cute.launch import cute_forward_accumulate
+    from ffa_kernels.cute.interface import cute_forward_accumulate
 
     assert callable(fc.cute_forward_accumulate) and "cute_forward_accumulate" in fc.__all__
     q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
@@ -302,7 +302,7 @@ def test_accumulate_exported_and_validates():
 
 # ----------------------------------------------------------------------------- backward
 def test_bwd_plan_causal_counts():
-    from ffa_kernels.cute.plan import build_bwd_plan_cpu
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
 
     # causal 1024, key tiles of 128 and q blocks of 64 starting at each tile's diagonal: tile i
     # needs q rows [128 i, 1024), i.e. (1024 - 128 i) / 64 blocks, 2 of them on the diagonal
@@ -324,29 +324,33 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
     sm_90a with no GPU, and the packed launcher feeds it what the DSL's marshalling would."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
-    from ffa_kernels.cute import bwd_launch, compile_cache, launcher
+    from ffa_kernels.cute import bwd_interface, compile_cache, kernel_args
     from ffa_kernels.cute.config import default_bwd_config
 
     for d, dt, softcap, store in BWD_VARIANTS:
-        compile_cache.forget(bwd_launch.bwd_compile_key(dt, default_bwd_config(d, softcap), softcap, store))
-        fn = bwd_launch.get_bwd_kernel(dt, default_bwd_config(d, softcap), softcap, store)
-        assert launcher.packed_matches_dsl(fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(dt))
+        compile_cache.forget(
+            bwd_interface.bwd_compile_key(dt, default_bwd_config(d, softcap), softcap, store)
+        )
+        fn = bwd_interface.get_bwd_kernel(dt, default_bwd_config(d, softcap), softcap, store)
+        assert kernel_args.packed_matches_dsl(
+            fn, bwd_interface.bwd_arg_spec(store), compile_cache.dtype_of(dt)
+        )
     # the deterministic mode (ordered dQ reduce-adds; dK/dV stored, or added in head order)
     for d, store in ((64, True), (64, False), (128, True), (128, False)):
         cfg = default_bwd_config(d)
-        compile_cache.forget(bwd_launch.bwd_compile_key(torch.bfloat16, cfg, False, store, True))
-        fn = bwd_launch.get_bwd_kernel(torch.bfloat16, cfg, False, store, True)
-        assert launcher.packed_matches_dsl(
-            fn, bwd_launch.bwd_arg_spec(store), compile_cache.dtype_of(torch.bfloat16)
+        compile_cache.forget(bwd_interface.bwd_compile_key(torch.bfloat16, cfg, False, store, True))
+        fn = bwd_interface.get_bwd_kernel(torch.bfloat16, cfg, False, store, True)
+        assert kernel_args.packed_matches_dsl(
+            fn, bwd_interface.bwd_arg_spec(store), compile_cache.dtype_of(torch.bfloat16)
         )
     # 128-row q blocks at D 64 (the dQ GEMM split by rows)
     from ffa_kernels.cute.config import BwdConfig
 
     cfg = BwdConfig(head_dim=64, tile_m=128)
-    compile_cache.forget(bwd_launch.bwd_compile_key(torch.bfloat16, cfg, False, False))
-    fn = bwd_launch.get_bwd_kernel(torch.bfloat16, cfg, False, False)
-    assert launcher.packed_matches_dsl(
-        fn, bwd_launch.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
+    compile_cache.forget(bwd_interface.bwd_compile_key(torch.bfloat16, cfg, False, False))
+    fn = bwd_interface.get_bwd_kernel(torch.bfloat16, cfg, False, False)
+    assert kernel_args.packed_matches_dsl(
+        fn, bwd_interface.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
     )
     assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 5
 
@@ -384,13 +388,13 @@ def test_compile_bwd_preprocess_variants(tmp_path, monkeypatch):
     with the packed launcher."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
-    from ffa_kernels.cute import bwd_launch, launcher
+    from ffa_kernels.cute import bwd_interface, kernel_args
 
     pairs = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
              (torch.float32, torch.float32)]  # fmt: skip
-    bwd_launch._PREPROCESS.clear()
+    bwd_interface._PREPROCESS.clear()
     for do_dtype, out_dtype in pairs:
         for d in (64, 128):
-            fn = bwd_launch._preprocess_launcher(do_dtype, out_dtype, d)
-            assert isinstance(fn, launcher.PackedLauncher), (do_dtype, out_dtype, d)
+            fn = bwd_interface._preprocess_launcher(do_dtype, out_dtype, d)
+            assert isinstance(fn, kernel_args.PackedLauncher), (do_dtype, out_dtype, d)
     assert len(list(tmp_path.rglob("ffa_bwd_pre_*.o"))) == 2 * len(pairs)

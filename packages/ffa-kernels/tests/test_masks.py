@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ffa_kernels import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MaskType, _masks, mask_type_code
+from ffa_kernels import BICAUSAL, CAUSAL, FULL, INVCAUSAL, MaskType, mask_type_code
+from ffa_kernels.reference import masks as _masks
 from ffa_kernels.testing import dense_mask, tile_config
 
 

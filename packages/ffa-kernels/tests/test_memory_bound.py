@@ -2,7 +2,10 @@
 
 import torch
 
-from ffa_kernels import _backward, _forward, _masks, ffa_backward_stage, flex_flash_attn_func
+from ffa_kernels import ffa_backward_stage, flex_flash_attn_func
+from ffa_kernels.reference import backward as _backward
+from ffa_kernels.reference import forward as _forward
+from ffa_kernels.reference import masks as _masks
 from ffa_kernels.testing import tile_config
 
 N = 16384  # Tq = Tk; Tq x Tk float32 scores would be 1 GiB per head

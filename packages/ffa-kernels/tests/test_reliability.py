@@ -209,7 +209,7 @@ def test_non_finite_key_reaches_only_the_rows_that_see_it(where, bad, dtype, hq,
 def test_non_finite_key_in_a_window_spares_rows_and_keys_apart_from_it(monkeypatch, where):
     """A sliding window (BICAUSAL) over several row blocks and column tiles: the rows that do not see
     key 90 keep finite out and dq, and the keys that only such rows see keep finite dk and dv."""
-    from ffa_kernels import _masks
+    from ffa_kernels.reference import masks as _masks
 
     monkeypatch.setattr(_masks, "BLOCK_ROWS", 32)
     monkeypatch.setattr(_masks, "TILE_ELEMS", 32 * 2 * 16)  # 16-column tiles
@@ -230,7 +230,7 @@ def test_non_finite_key_in_a_window_spares_rows_and_keys_apart_from_it(monkeypat
 
 def test_finite_inputs_take_the_unchanged_path(monkeypatch):
     """Finite K/V never reach the masked product (results stay bitwise what they were)."""
-    from ffa_kernels import _forward
+    from ffa_kernels.reference import forward as _forward
 
     def boom(*a, **kw):
         raise AssertionError("masked_bmm used for finite inputs")
@@ -243,7 +243,7 @@ def test_finite_inputs_take_the_unchanged_path(monkeypatch):
 
 
 def test_masked_bmm_matches_bmm_on_finite_values():
-    from ffa_kernels._forward import masked_bmm
+    from ffa_kernels.reference.forward import masked_bmm
 
     g = torch.Generator().manual_seed(1)
     hk, group, rows, cols, d = 2, 3, 5, 7, 4
@@ -412,27 +412,27 @@ def test_real_kernel_round_trip_through_the_verified_cache(tmp_path, monkeypatch
     """One real sm_90a compile on the CPU: exported with digests into 0700 folders, loaded back
     without compiling, and compiled again once the object file is altered."""
     pytest.importorskip("cutlass")
-    from ffa_kernels.cute import compile_cache, launch
+    from ffa_kernels.cute import compile_cache, interface
     from ffa_kernels.cute.config import default_config
 
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path / "cache"))
     cfg = default_config(64)
-    key = launch.compile_key(torch.bfloat16, cfg, False)
+    key = interface.compile_key(torch.bfloat16, cfg, False)
     compile_cache.forget(key)
     with caplog.at_level(logging.INFO, logger=compile_cache.__name__):
-        launch.get_kernel(torch.bfloat16, cfg, False)
+        interface.get_kernel(torch.bfloat16, cfg, False)
         kdir = tmp_path / "cache" / compile_cache.source_hash()
         assert _mode(tmp_path / "cache") == 0o700 and _mode(kdir) == 0o700
         (obj,) = kdir.glob("*.o")
         assert compile_cache.verify_file(obj) is None
         compile_cache.forget(key)
         caplog.clear()
-        launch.get_kernel(torch.bfloat16, cfg, False)
+        interface.get_kernel(torch.bfloat16, cfg, False)
         assert "compiled" not in caplog.text  # loaded from disk
         data = bytearray(obj.read_bytes())
         data[len(data) // 2] ^= 0xFF
         obj.write_bytes(bytes(data))
         compile_cache.forget(key)
-        launch.get_kernel(torch.bfloat16, cfg, False)
+        interface.get_kernel(torch.bfloat16, cfg, False)
         assert "differs from the recorded" in caplog.text and "compiled sm90 forward" in caplog.text
     compile_cache.forget(key)

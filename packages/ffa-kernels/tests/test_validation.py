@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ffa_kernels import _forward, ffa_backward_stage, ffa_forward_stage, flex_flash_attn_func
+from ffa_kernels import ffa_backward_stage, ffa_forward_stage, flex_flash_attn_func
+from ffa_kernels.reference import forward as _forward
 
 I32 = torch.int32
 
@@ -263,7 +264,7 @@ def test_packed_kv_rows_are_read_in_place():
 def test_kernel_reads_packed_kv_in_place():
     """The sm90 launch path takes packed K/V views as they are (row stride 2*Hk*D), and copies
     K/V whose rows are not 16 bytes apart or differ between K and V (nothing is launched)."""
-    from ffa_kernels.cute.launch import _kv_rows
+    from ffa_kernels.cute.interface import _kv_rows
 
     kv = torch.randn(10, 2, 2, 8).to(torch.bfloat16)
     k, v, stride = _kv_rows(kv[:, 0], kv[:, 1])

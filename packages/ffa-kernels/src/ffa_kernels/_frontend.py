@@ -24,9 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _backend
-from ._backward import reference_backward_stage
 from ._flex_mask import FlexMask
-from ._forward import reference_forward_stage
 from ._merge import merge_finite_lse_
 from ._sink import apply_sink, sink_backward
 from ._types import AttnForwardMeta
@@ -40,6 +38,8 @@ from ._validate import (
     check_sink,
     validate_attn_args,
 )
+from .reference.backward import reference_backward_stage
+from .reference.forward import reference_forward_stage
 
 __all__ = [
     "ffa_backward_stage",

@@ -164,7 +164,7 @@ def _host_content(tensors: tuple[torch.Tensor | None, ...]) -> tuple[bytes | Non
 class MaskRecord:
     """What `ffa_kernels.FlexMask` checked once: kept beside its ``q_ranges`` tensor (weakly
     referenced, so it lives exactly as long as the mask's tensors). ``plans``: the CuTe tile plans
-    of the mask (cute/plan.py), kept here so that a live mask never plans twice."""
+    of the mask (cute/tile_plan.py), kept here so that a live mask never plans twice."""
 
     q_ref: weakref.ReferenceType
     k_ref: weakref.ReferenceType

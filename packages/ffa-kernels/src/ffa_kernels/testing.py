@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _masks
+from .reference import masks as _masks
 
 __all__ = [
     "Problem",

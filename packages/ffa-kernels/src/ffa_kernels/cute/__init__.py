@@ -15,13 +15,13 @@ from __future__ import annotations
 import importlib.util
 
 from .config import FwdConfig, default_config
-from .launch import accumulators_fit
+from .interface import accumulators_fit
 
 HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 if HAVE_CUTLASS:
-    from .bwd_launch import cute_backward, cute_backward_stage
-    from .launch import cute_forward, cute_forward_accumulate
+    from .bwd_interface import cute_backward, cute_backward_stage
+    from .interface import cute_forward, cute_forward_accumulate
 
     __all__ = [
         "HAVE_CUTLASS",

@@ -2,7 +2,7 @@
 
 Key-tile major: one CTA per (key tile of the backward plan, q head). The CTA loads its
 ``tile_n`` keys and values once and walks every ``tile_m``-row q block its plan entries list
-(bwd plan: the forward plan of the transposed mask, see plan.py), recomputing per block
+(bwd plan: the forward plan of the transposed mask, see tile_plan.py), recomputing per block
 
     S^T = K Q^T,  dP^T = V dO^T                     (SS wgmma, both transposed: M = keys)
     P^T = exp2(S^T * scale_log2 - lse2),  dS^T = P^T * (dP^T - delta)   (softcap: * (1 - t^2))
@@ -51,8 +51,8 @@ from .config import BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
 from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
-from .plan import ENTRY_COLS
 from .schedule import cta_work_and_head
+from .tile_plan import ENTRY_COLS
 
 
 class FFABackwardSm90:
@@ -90,7 +90,7 @@ class FFABackwardSm90:
         ptr_dv: cute.Pointer,  # (Tk, Hk, D), the same strides and dtype as dk
         ptr_work: cute.Pointer,  # (W, 4) i32
         ptr_ent: cute.Pointer,  # (E, ENTRY_COLS) i32
-        ptr_ranks: cute.Pointer,  # (W + V,) i32, plan.visit_ranks (deterministic only)
+        ptr_ranks: cute.Pointer,  # (W + V,) i32, tile_plan.visit_ranks (deterministic only)
         ptr_sem: cute.Pointer,  # (ceil(Tq / tile_m) * Hq + W * Hk,) i32 zeros (deterministic only)
         total_q: Int32,
         total_k: Int32,
@@ -381,7 +381,7 @@ class FFABackwardSm90:
             for e in cutlass.range(e0, e1, unroll=1):
                 q_lo = mEnt[e, 0]
                 nblk = mEnt[e, 1]
-                # the transposed band: rows are keys, columns q rows (plan.build_bwd_plan_cpu)
+                # the transposed band: rows are keys, columns q rows (tile_plan.build_bwd_plan_cpu)
                 ks = mEnt[e, 2]
                 ke = mEnt[e, 3]
                 lo = mEnt[e, 4]
@@ -513,7 +513,7 @@ class FFABackwardSm90:
         no barrier is left pending at exit.
 
         Deterministic mode (q blocks aligned to tile_m): before adding to a block, wait until
-        the block's semaphore for this head counts this visit's rank (plan.visit_ranks), and
+        the block's semaphore for this head counts this visit's rank (tile_plan.visit_ranks), and
         after the adds have landed (not only read shared memory) release it with +1, so every
         run adds the partial dQs of a block in the same order."""
         cfg = self.cfg

@@ -63,9 +63,9 @@ def arch() -> str:
 
 
 def placeholder_args(spec, elem_dtype) -> list:
-    """Arguments for cute.compile from an argument spec (launcher.arg_spec's format): null
+    """Arguments for cute.compile from an argument spec (kernel_args.arg_spec's format): null
     pointers and dummy sizes, all runtime values."""
-    from .launcher import dsl_args
+    from .kernel_args import dsl_args
 
     placeholders = [0 if kind in ("ptr", "stream") else 1 for kind, _, _ in spec]
     return dsl_args(spec, placeholders, elem_dtype)

@@ -10,7 +10,7 @@ With ``intra_wg_overlap`` the S GEMM of block j is in flight together with the P
 block j-1 while the softmax of block j runs; with ``pingpong`` the two consumer warpgroups
 take turns issuing GEMMs (named barriers), so one's softmax overlaps the other's GEMMs.
 
-One CTA per (work tile, head); the plan (plan.py) lists per work tile its entries
+One CTA per (work tile, head); the plan (tile_plan.py) lists per work tile its entries
 (slice pieces) and the K/V blocks they need; blocks fully inside a slice skip masking,
 partial ones get the band mask, empty ones are never planned (never loaded).
 
@@ -44,9 +44,9 @@ from .pipeline import (
     sched_barrier_sync,
     tma_load_rows,
 )
-from .plan import ENTRY_COLS
 from .schedule import cta_work_and_head
 from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_rows
+from .tile_plan import ENTRY_COLS
 
 FLAG_HAS_SINK = 1
 FLAG_MAX_LOGITS = 2

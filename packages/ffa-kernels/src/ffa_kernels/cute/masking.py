@@ -1,6 +1,6 @@
 """Band masking of one score block (device side).
 
-A plan entry covers (q, k) iff qs <= q < qe, ks <= k < ke and lo <= k - q <= hi (see plan.py).
+A plan entry covers (q, k) iff qs <= q < qe, ks <= k < ke and lo <= k - q <= hi (see tile_plan.py).
 For a block whose first key is kb in a tile whose first row is m0, each thread row r
 (tile-relative) keeps the columns c (block-relative) with c_lo(r) <= c < c_hi(r):
 

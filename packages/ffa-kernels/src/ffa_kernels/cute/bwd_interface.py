@@ -1,4 +1,4 @@
-"""Host launch code of the sm90 backward: preprocess (delta, lse in the log2 domain), the
+"""The sm90 backward's host interface: preprocess (delta, lse in the log2 domain), the
 backward plan, argument packing, ``cute_backward_stage`` (adds into float32 accumulators) and
 ``cute_backward`` (one whole backward, gradients in the input dtype)."""
 
@@ -11,13 +11,13 @@ import torch
 from .._identity_cache import IdentityCache
 from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import HEAD_GROUP_SHIFT, BwdConfig, default_bwd_config
-from .launch import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
-from .launcher import make_launcher
-from .plan import get_plan
+from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
+from .kernel_args import make_launcher
+from .tile_plan import get_plan
 
 
 def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
-    """(kind, element, alignment) of the backward kernel's arguments (launcher.arg_spec's format).
+    """(kind, element, alignment) of the backward kernel's arguments (kernel_args.arg_spec's format).
 
     Order: pointers q, k, v, dout ("in"), lse2, delta, dq_acc (f32; dq_acc is a TMA target,
     16-byte aligned), dk, dv (``dkv_store``: "in", 4-byte aligned, stored two elements at a

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._types import MaskType
+from .._types import MaskType
 
 __all__ = ["BLOCK_ROWS", "MIN_TILE_COLS", "TILE_ELEMS", "RowBlock", "Tile", "block_mask", "iter_row_blocks"]
 

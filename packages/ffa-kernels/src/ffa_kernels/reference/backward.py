@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _masks
-from ._forward import all_finite, block_queries, from_kv_major, masked_bmm, tile_kv, to_kv_major
-from ._validate import ValidatedAttnArgs
+from .._validate import ValidatedAttnArgs
+from . import masks as _masks
+from .forward import all_finite, block_queries, from_kv_major, masked_bmm, tile_kv, to_kv_major
 
 __all__ = ["backward_tile", "reference_backward_stage"]
 

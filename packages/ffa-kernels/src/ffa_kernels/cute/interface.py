@@ -1,4 +1,5 @@
-"""Host launch code of the sm90 forward: JIT compile cache (memory + disk), ``cute_forward``
+"""The sm90 forward's host interface: the compiled kernel for a configuration (through
+`compile_cache`), the checks every sm90 kernel shares (`kernel_scales`), ``cute_forward``
 (fresh output) and ``cute_forward_accumulate`` (merge into a float32 accumulator in place)."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import HEAD_GROUP_SHIFT, FwdConfig, default_config
-from .launcher import ACCUMULATOR_ALIGN, arg_spec, make_launcher
-from .plan import get_plan
+from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, make_launcher
+from .tile_plan import get_plan
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def _launch(
     rt: _Runtime, accumulate: bool, cfg: FwdConfig, q, k, v, out, lse, plan, sink_lse, max_logits,
     softmax_scale: float, softcap: float, flags: int, head_group: int | None,
 ) -> None:  # fmt: skip
-    """Fill the kernel's arguments (see launcher.arg_spec) and launch on the current stream.
+    """Fill the kernel's arguments (see kernel_args.arg_spec) and launch on the current stream.
 
     sink_lse / max_logits may be None (the kernel reads them only under their flags; any valid
     pointer of the right alignment stands in)."""

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _masks
-from ._merge import merge_lse_
-from ._validate import ValidatedAttnArgs
+from .._merge import merge_lse_
+from .._validate import ValidatedAttnArgs
+from . import masks as _masks
 
 __all__ = ["all_finite", "block_queries", "forward_tile", "masked_bmm", "reference_forward_stage", "tile_kv"]
 
