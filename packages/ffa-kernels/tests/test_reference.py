@@ -40,9 +40,11 @@ def _grads(out, inputs, dout):
     softcap=st.sampled_from([0.0, 0.5, 3.0]),
     sink_layout=st.sampled_from([None, "sh", "ssh"]),
     scale=st.sampled_from([None, 0.3, 1.7]),
+    head_dim_v=st.sampled_from([None, None, 3, 12]),
 )
-def test_matches_oracle_fp64(rng, tiles, softcap, sink_layout, scale):
-    p = random_problem(rng)
+def test_matches_oracle_fp64(rng, tiles, softcap, sink_layout, scale, head_dim_v):
+    """Every feature against the float64 oracle; v may have its own head dim (MLA)."""
+    p = random_problem(rng, head_dim_v=head_dim_v)
     tq, hq, _ = p.q.shape
     sink = _make_sink(rng, sink_layout, tq, hq, torch.float64)
     q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
@@ -271,3 +273,52 @@ def test_non_contiguous_dout():
     g2 = torch.autograd.grad(out, (q, k, v), dout_t.contiguous())
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_stages_with_their_own_v_head_dim(split):
+    """MLA-style heads (q/k 12, v 5) through the stage API: the stages of a key split, merged
+    by log-sum-exp and their backward summed, equal one call and the oracle."""
+    from ffa_kernels import ffa_backward_stage, ffa_forward_stage, forward_accumulators
+
+    g = torch.Generator().manual_seed(split)
+    tq, tk, hq, hk, d, dv = 30, 36, 4, 2, 12, 5
+    q, k = (
+        torch.randn(tq, hq, d, generator=g, dtype=torch.float64),
+        torch.randn(tk, hk, d, generator=g, dtype=torch.float64),
+    )
+    v = torch.randn(tk, hk, dv, generator=g, dtype=torch.float64)
+    cuts = [round(i * tk / split) for i in range(split + 1)]
+    out, lse, _ = forward_accumulators(q, head_dim_v=dv)
+    assert out.shape == (tq, hq, dv)
+    stages = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        # rows see keys [a, b): full, in the stage's own key coordinates
+        qr = torch.tensor([[0, tq]], dtype=torch.int32)
+        kr = torch.tensor([[0, b - a]], dtype=torch.int32)
+        stages.append((k[a:b], v[a:b], qr, kr))
+        ffa_forward_stage(q, k[a:b], v[a:b], qr, kr, None, out, lse)
+    qi, ki, vi = (x.clone().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse, _ = dense_attention(qi, ki, vi, [[0, tq]], [[0, tk]], [0])
+    torch.testing.assert_close(out, ref_out.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse.detach(), atol=1e-10, rtol=1e-10)
+    dout = torch.randn(tq, hq, dv, generator=g, dtype=torch.float64)
+    ref = torch.autograd.grad(ref_out, (qi, ki, vi), dout)
+    dq = torch.zeros_like(q)
+    dk, dvv = torch.zeros_like(k), torch.zeros_like(v)
+    for (ks, vs, qr, kr), (a, b) in zip(stages, zip(cuts[:-1], cuts[1:])):
+        ffa_backward_stage(dout, q, ks, vs, out, lse, qr, kr, None, dq, dk[a:b], dvv[a:b])
+    for got, want in zip((dq, dk, dvv), ref):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-9)
+
+
+def test_kernels_decline_their_own_v_head_dim():
+    """The sm90 kernels serve v's head dim equal to q's only: anything else is declined before
+    any launch (NotImplementedError, so that the frontend falls back to the reference)."""
+    from ffa_kernels.cute.interface import kernel_scales
+
+    q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    for what in ("forward", "backward"):
+        assert kernel_scales(q, q, None, 0.0, what) == (128**-0.5, 0.0)
+        with pytest.raises(NotImplementedError, match="v's head dim"):
+            kernel_scales(q, torch.zeros(4, 2, 64, dtype=torch.bfloat16), None, 0.0, what)

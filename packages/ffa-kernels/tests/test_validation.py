@@ -37,8 +37,9 @@ CASES = [
     (dict(v=B["v"].double()), TypeError, r"one dtype.*v torch.float64"),
     (dict(q=B["q"].to("meta")), ValueError, r"one device.*q meta"),
     (dict(q=torch.randn(6, 3, 8)), ValueError, r"num_heads_q \(3\).*num_heads_kv \(2\)"),
-    (dict(q=torch.randn(6, 4, 16)), ValueError, r"head_dim mismatch: q has 16, k/v have 8"),
-    (dict(v=torch.randn(5, 2, 4)), ValueError, r"k and v must have the same shape.*\(5, 2, 4\)"),
+    (dict(q=torch.randn(6, 4, 16)), ValueError, r"head_dim mismatch: q has 16, k has 8"),
+    (dict(v=torch.randn(5, 4, 8)), ValueError, r"k and v must have the same tokens and heads.*\(5, 4, 8\)"),
+    (dict(v=torch.randn(4, 2, 8)), ValueError, r"k and v must have the same tokens and heads.*\(4, 2, 8\)"),
     (dict(q=torch.randn(6, 4, 0), k=torch.randn(5, 2, 0), v=torch.randn(5, 2, 0)), ValueError, r"head_dim"),
     (
         dict(q_ranges=B["q_ranges"].long()),

@@ -159,7 +159,9 @@ def _forward_whole(
             return _kernel_forward(cute, args, sink, sink_layout, return_max_logits)
         except NotImplementedError as exc:
             _kernel_declined(exc)
-    out_acc, lse_acc, max_acc = forward_accumulators(args.q, max_logits=return_max_logits)
+    out_acc, lse_acc, max_acc = forward_accumulators(
+        args.q, max_logits=return_max_logits, head_dim_v=args.v.shape[2]
+    )
     _reference_forward_stage(args, out_acc, lse_acc, max_acc)
     apply_sink(out_acc, lse_acc, sink, sink_layout)
     return out_acc, lse_acc, max_acc
@@ -234,7 +236,7 @@ def _backward_stage(
 def _run_forward(
     args: ValidatedAttnArgs, sink: torch.Tensor | None, sink_layout: str, return_max_logits: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`flex_flash_attn_func`'s forward, as its operator returns it: out ``(Tq, Hq, D)`` in q's
+    """`flex_flash_attn_func`'s forward, as its operator returns it: out ``(Tq, Hq, Dv)`` in q's
     dtype, lse ``(Tq, Hq)`` in the accumulator dtype (float32; float64 for float64 q: what the
     backward gets back), max_logits float32 ``(Hq,)`` (empty ``(0,)`` unless asked for). All
     contiguous and fresh (the operator's fake implementation promises these layouts)."""
@@ -254,15 +256,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward_accumulators(
-    q: torch.Tensor, *, max_logits: bool = False
+    q: torch.Tensor, *, max_logits: bool = False, head_dim_v: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Fresh accumulators for `ffa_forward_stage` calls over the rows of ``q`` ``(Tq, Hq, D)``:
-    ``out`` zeros ``(Tq, Hq, D)``, ``lse`` ``-inf`` ``(Tq, Hq)`` and, with ``max_logits``, a
-    ``-inf`` ``(Hq,)`` (else None); on q's device, in `accumulator_dtype` (float32; float64
-    for float64 q)."""
+    ``out`` zeros ``(Tq, Hq, Dv)`` (``Dv = head_dim_v``, v's head dim; None: D), ``lse``
+    ``-inf`` ``(Tq, Hq)`` and, with ``max_logits``, a ``-inf`` ``(Hq,)`` (else None); on q's
+    device, in `accumulator_dtype` (float32; float64 for float64 q)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"forward_accumulators: q must be a (Tq, Hq, D) tensor, got {q!r:.80}")
     tq, hq, d = q.shape
+    if head_dim_v is not None:
+        if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, int) or head_dim_v < 1:
+            raise ValueError(f"forward_accumulators: head_dim_v must be an int >= 1, got {head_dim_v!r}")
+        d = head_dim_v
     dtype = accumulator_dtype(q.dtype)
     out = torch.zeros((tq, hq, d), dtype=dtype, device=q.device)
     lse = torch.full((tq, hq), _NEG_INF, dtype=dtype, device=q.device)
@@ -287,11 +293,11 @@ def ffa_forward_stage(
     """Compute one stage of attention and merge it into float accumulators, in place.
 
     Args:
-        q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64, one dtype and
+        q: ``(Tq, Hq, D)``; k: ``(Tk, Hk, D)``, v: ``(Tk, Hk, Dv)`` (Dv may differ from D: MLA); float16/bfloat16/float32/float64, one dtype and
             device; ``Hq % Hk == 0``.
         q_ranges, k_ranges: int32 ``(N, 2)``, this stage's slices (in the coordinates of q and k).
         attn_type_map: int32 ``(N,)`` mask type codes, or None for all FULL.
-        out_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), initialised by the caller to 0
+        out_acc: float32 ``(Tq, Hq, Dv)`` (float64 allowed), initialised by the caller to 0
             (`forward_accumulators` makes all three).
         lse_acc: float32 ``(Tq, Hq)`` (float64 allowed), initialised by the caller to ``-inf``.
         softmax_scale: None means ``D ** -0.5``.
@@ -304,9 +310,10 @@ def ffa_forward_stage(
     stage, call `apply_sink(out_acc, lse_acc, sink, sink_layout)` once.
     """
     args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
-    tq, hq, d = args.q.shape
+    tq, hq, _ = args.q.shape
+    dv = args.v.shape[2]
     dev = args.q.device
-    check_accumulator("out_acc", out_acc, (tq, hq, d), dev)
+    check_accumulator("out_acc", out_acc, (tq, hq, dv), dev)
     check_accumulator("lse_acc", lse_acc, (tq, hq), dev)
     if max_logits_acc is not None:
         check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev)
@@ -336,7 +343,7 @@ def ffa_forward(
     Args: as `flex_flash_attn_func`.
 
     Returns:
-        ``(out, lse, max_logits)``: out ``(Tq, Hq, D)`` in q's dtype; lse ``(Tq, Hq)`` after sink
+        ``(out, lse, max_logits)``: out ``(Tq, Hq, Dv)`` in q's dtype; lse ``(Tq, Hq)`` after sink
         and max_logits ``(Hq,)`` (or None) in float32, float64 for float64 inputs on the
         reference backend (the precision `ffa_backward_stage` then gets back).
     """
@@ -368,13 +375,14 @@ def ffa_backward_stage(
     """Add one stage's contribution to dq, dk, dv, in place.
 
     Args:
-        dout: ``(Tq, Hq, D)`` gradient of the final output (any float dtype).
+        dout: ``(Tq, Hq, Dv)`` gradient of the final output (any float dtype).
         q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap: as for
             `ffa_forward_stage` of the same stage.
-        out: ``(Tq, Hq, D)`` FINAL output of the rows (all stages merged, sink applied).
+        out: ``(Tq, Hq, Dv)`` FINAL output of the rows (all stages merged, sink applied).
         lse: ``(Tq, Hq)`` FINAL log-sum-exp of the rows (all stages, sink included).
         dq_acc: float32 ``(Tq, Hq, D)`` (float64 allowed), added to.
-        dk_acc, dv_acc: float32 ``(Tk, Hk, D)`` (float64 allowed), added to.
+        dk_acc: float32 ``(Tk, Hk, D)``, dv_acc: float32 ``(Tk, Hk, Dv)`` (float64 allowed),
+            added to.
         deterministic: bitwise the same additions run after run (as for
             `flex_flash_attn_func`).
 
@@ -384,13 +392,14 @@ def ffa_backward_stage(
     args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     tq, hq, d = args.q.shape
     tk, hk, _ = args.k.shape
+    dv = args.v.shape[2]
     dev = args.q.device
-    dout = check_float_tensor("dout", dout, (tq, hq, d), dev)
-    out = check_float_tensor("out", out, (tq, hq, d), dev)
+    dout = check_float_tensor("dout", dout, (tq, hq, dv), dev)
+    out = check_float_tensor("out", out, (tq, hq, dv), dev)
     lse = check_float_tensor("lse", lse, (tq, hq), dev)
     check_accumulator("dq_acc", dq_acc, (tq, hq, d), dev)
     check_accumulator("dk_acc", dk_acc, (tk, hk, d), dev)
-    check_accumulator("dv_acc", dv_acc, (tk, hk, d), dev)
+    check_accumulator("dv_acc", dv_acc, (tk, hk, dv), dev)
     check_bool("deterministic", deterministic)
     _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc, deterministic)
 
@@ -553,7 +562,7 @@ def flex_flash_attn_func(
     """Flexible-mask attention over a union of slices (docs/api.md), differentiable in q, k, v, sink.
 
     Args:
-        q: ``(Tq, Hq, D)``; k, v: ``(Tk, Hk, D)``; float16/bfloat16/float32/float64 (the
+        q: ``(Tq, Hq, D)``; k: ``(Tk, Hk, D)``, v: ``(Tk, Hk, Dv)`` (Dv may differ from D, e.g. MLA's 192 / 128); float16/bfloat16/float32/float64 (the
             reference backend computes in float32, float64 for float64 inputs); ``Hq % Hk == 0``,
             q head h uses kv head ``h // (Hq // Hk)``. Under ``torch.autocast`` float32 (and
             float16/bfloat16) q, k, v are cast to the autocast dtype, as for SDPA.
@@ -573,7 +582,7 @@ def flex_flash_attn_func(
         return_max_logits: also return ``meta.max_logits``.
 
     Returns:
-        ``(out, meta)``: out ``(Tq, Hq, D)`` in q's dtype (0 for a row nothing covers);
+        ``(out, meta)``: out ``(Tq, Hq, Dv)`` in q's dtype (0 for a row nothing covers);
         meta = `AttnForwardMeta` with lse float32 ``(Tq, Hq)`` (after sink; ``-inf`` for a row with
         neither a covered cell nor a sink) and max_logits float32 ``(Hq,)`` (max over covered
         cells of ``softmax_scale * q.k`` before softcap, ``-inf`` for a head with none) or None.

@@ -101,8 +101,12 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Ten
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"k and v must have the same tokens and heads, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if v.shape[2] < 1:
+        raise ValueError(f"v's head_dim must be >= 1, got v {_desc(v)}")
     hq, d = q.shape[1], q.shape[2]
     hk = k.shape[1]
     if hq < 1 or hk < 1:
@@ -110,7 +114,7 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Ten
     if d < 1:
         raise ValueError(f"head_dim must be >= 1, got q {_desc(q)}")
     if k.shape[2] != d:
-        raise ValueError(f"head_dim mismatch: q has {d}, k/v have {k.shape[2]}")
+        raise ValueError(f"head_dim mismatch: q has {d}, k has {k.shape[2]}")
     if hq % hk != 0:
         raise ValueError(f"num_heads_q ({hq}) must be a multiple of num_heads_kv ({hk})")
     # The kernels and our views assume contiguous q and dense rows of K/V; copying is never

@@ -90,7 +90,8 @@ def dense_attention(
     """Brute-force flexible-mask attention, differentiable in q, k, v and sink.
 
     Same arguments as `ffa_kernels.flex_flash_attn_func`; computes in the dtype of q (use
-    float64). Returns ``(out (Tq, Hq, D), lse (Tq, Hq), max_logits (Hq,))``, all in q's dtype.
+    float64). Returns ``(out (Tq, Hq, Dv), lse (Tq, Hq), max_logits (Hq,))``, all in q's dtype
+    (Dv: v's head dim, which may differ from q's and k's D).
     """
     tq, hq, d = q.shape
     tk, hk, _ = k.shape
@@ -203,8 +204,10 @@ def random_problem(
     head_dim: int | None = None,
     max_kv_heads: int = 2,
     max_group: int = 3,
+    head_dim_v: int | None = None,
 ) -> Problem:
-    """Random sizes (``1..max_tokens`` tokens, GQA heads), random disjoint slices, random data."""
+    """Random sizes (``1..max_tokens`` tokens, GQA heads), random disjoint slices, random data
+    (``head_dim_v``: v's own head dim, as in MLA; None: the same as q's and k's)."""
     tq, tk = rng.randint(1, max_tokens), rng.randint(1, max_tokens)
     hk = rng.randint(1, max_kv_heads)
     hq = hk * rng.randint(1, max_group)
@@ -212,7 +215,7 @@ def random_problem(
     gen = torch.Generator().manual_seed(rng.getrandbits(63))
     q = torch.randn(tq, hq, d, generator=gen, dtype=torch.float64).to(dtype)
     k = torch.randn(tk, hk, d, generator=gen, dtype=torch.float64).to(dtype)
-    v = torch.randn(tk, hk, d, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(tk, hk, head_dim_v or d, generator=gen, dtype=torch.float64).to(dtype)
     qr, kr, types = random_disjoint_slices(rng, tq, tk, max_slices)
     return Problem(
         q,

@@ -294,7 +294,7 @@ def cute_backward_stage(
     head in head order). Raises NotImplementedError for what the kernel does not
     serve (head dim, dtype, float64 accumulators): the caller falls back.
     """
-    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
+    softmax_scale, softcap = kernel_scales(q, v, softmax_scale, softcap, "backward")
     d = q.shape[-1]
     for name, t in (("dq_acc", dq_acc), ("dk_acc", dk_acc), ("dv_acc", dv_acc)):
         if t.dtype != torch.float32:
@@ -353,7 +353,7 @@ def cute_backward(
     (several key tiles add to a q row) and one cast. ``deterministic`` as for
     `cute_backward_stage`.
     """
-    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "backward")
+    softmax_scale, softcap = kernel_scales(q, v, softmax_scale, softcap, "backward")
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     cfg = config or default_bwd_config(d, softcap > 0.0)

@@ -127,7 +127,7 @@ SUPPORTED_HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128)}
 
 
 def kernel_scales(
-    q: torch.Tensor, softmax_scale: float | None, softcap: float, what: str
+    q: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, softcap: float, what: str
 ) -> tuple[float, float]:
     """``(softmax_scale, softcap)`` as the kernels take them (None -> D ** -0.5; softcap <= 0 -> 0),
     after the checks every sm90 kernel shares. "Unsupported" is said (NotImplementedError, naming
@@ -137,6 +137,10 @@ def kernel_scales(
     dims = SUPPORTED_HEAD_DIMS[what]
     if d not in dims:
         raise NotImplementedError(f"head_dim: the sm90 {what} supports {dims}, got {d}")
+    if v.shape[-1] != d:
+        raise NotImplementedError(
+            f"head_dim: the sm90 {what} needs v's head dim equal to q's, got {v.shape[-1]} and {d}"
+        )
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q: the sm90 {what} supports bfloat16 and float16, got {q.dtype}")
     softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
@@ -144,9 +148,11 @@ def kernel_scales(
     return softmax_scale, softcap
 
 
-def _prepare(q: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None):
+def _prepare(
+    q: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, softcap: float, config: FwdConfig | None
+):
     """Checks and settings both forward entry points share: (runtime, config, softmax_scale, softcap)."""
-    softmax_scale, softcap = kernel_scales(q, softmax_scale, softcap, "forward")
+    softmax_scale, softcap = kernel_scales(q, v, softmax_scale, softcap, "forward")
     return _runtime(), config or default_config(q.shape[-1]), softmax_scale, softcap
 
 
@@ -238,7 +244,7 @@ def cute_forward(
     head_group: int | None = None,
 ):
     """sm90 CuTe DSL forward. Returns (out (Tq,Hq,D) q.dtype, lse f32 (Tq,Hq), max_logits f32 (Hq,) | None)."""
-    rt, cfg, softmax_scale, softcap = _prepare(q, softmax_scale, softcap, config)
+    rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, _ = q.shape
     total_k = k.shape[0]
     dev = q.device
@@ -311,7 +317,7 @@ def cute_forward_accumulate(
     the sink once, outside). Several calls over disjoint key sets thus combine to the result of
     one call over their union. Returns (out_acc, lse_acc), the same tensors.
     """
-    rt, cfg, softmax_scale, softcap = _prepare(q, softmax_scale, softcap, config)
+    rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, d = q.shape
     total_k = k.shape[0]
     dev = q.device
