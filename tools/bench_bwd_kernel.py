@@ -53,7 +53,7 @@ def main() -> None:
         torch.manual_seed(0)
         q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(case.total, case.hk, case.dv, device="cuda", dtype=torch.bfloat16)
         dout = torch.randn_like(q)
         qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
         kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")

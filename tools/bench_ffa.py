@@ -6,6 +6,8 @@ TFLOP/s are counted over the mask area: 4 * area * Hq * D per forward, 2.5x that
 library runs in this process on the same inputs. Usage (GPU machine):
 
     python tools/bench_ffa.py [--cases full8k,causal8k,...] [--iters 20] [--no-flex] [--check] [--bwd]
+        [--lengths uniform,long-tailed,many-short,few-long-many-short,equal --totals 32768,131072]
+        [--head-dims 64,128,256,192/128]
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ def cu_from(lengths):
 
 
 class Case:
-    def __init__(self, name, total, hq, hk, d, q_ranges, k_ranges, types, *, fa4=None, sdpa=None, flex=None):
+    def __init__(
+        self, name, total, hq, hk, d, q_ranges, k_ranges, types, *, fa4=None, sdpa=None, flex=None, dv=None
+    ):
         self.name, self.total, self.hq, self.hk, self.d = name, total, hq, hk, d
+        self.dv = d if dv is None else dv  # v's head dim (MLA: 192 / 128)
         self.q_ranges, self.k_ranges, self.types = q_ranges, k_ranges, types
         self.fa4, self.sdpa, self.flex = fa4, sdpa, flex  # descriptions of the peer calls
         self.area = area_of(q_ranges, k_ranges, types)
@@ -76,19 +81,19 @@ class Case:
 T8, T32 = 8192, 32768
 
 
-def dense_case(name: str, heads: int, d: int, causal: bool) -> Case:
-    """Full or causal attention over one 8k sequence (MHA)."""
+def dense_case(name: str, heads: int, d: int, causal: bool, dv: int | None = None) -> Case:
+    """Full or causal attention over one 8k sequence (MHA); ``dv``: v's own head dim."""
     return Case(name, T8, heads, heads, d, [[0, T8]], [[0, T8]], [int(causal)],
-                fa4=dict(causal=causal), sdpa=dict(causal=causal),
-                flex=dict(kind="causal" if causal else "full"))  # fmt: skip
+                fa4=dict(causal=causal), sdpa=None if dv not in (None, d) else dict(causal=causal),
+                flex=dict(kind="causal" if causal else "full"), dv=dv)  # fmt: skip
 
 
 def varlen_case(name: str, hq: int, hk: int, lens: list[int], causal: bool) -> Case:
-    """Packed 32k documents of lengths ``lens``, each full or causal within itself."""
+    """Packed documents of lengths ``lens`` (their sum is the total), each full or causal within itself."""
     cu = cu_from(lens)
     n = len(lens)
     qr = [[cu[i], cu[i + 1]] for i in range(n)]
-    return Case(name, T32, hq, hk, 128, qr, qr, [int(causal)] * n,
+    return Case(name, cu[-1], hq, hk, 128, qr, qr, [int(causal)] * n,
                 fa4=dict(cu=cu, causal=causal), flex=dict(kind="doc", cu=cu, causal=causal))  # fmt: skip
 
 
@@ -133,8 +138,68 @@ CASES = {  # name -> builder; make_cases keeps this order whatever the order of 
 }
 
 
-def make_cases(names):
-    return [make() for name, make in CASES.items() if name in names]
+# --lengths: document length distributions of the varlen grid (issue 20)
+def _lengths_many_short(total: int, seed: int) -> list[int]:
+    """Documents of 64-512 tokens (chat, code), the last one takes the remainder."""
+    rng = random.Random(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(min(rng.randint(64, 512), total - sum(lens)))
+    return lens
+
+
+def _lengths_few_long_many_short(total: int, seed: int) -> list[int]:
+    """Half the tokens in 2 long documents, the other half in documents of 64-512 tokens."""
+    long_part = total // 2
+    return [long_part // 2, long_part - long_part // 2, *_lengths_many_short(total - long_part, seed)]
+
+
+LENGTHS = {  # name -> (total, seed) -> document lengths summing to total
+    "uniform": lambda total, seed: doc_lengths(total, 12, seed),
+    "long-tailed": lambda total, seed: doc_lengths(total, 24, seed, max_frac=0.25),
+    "many-short": _lengths_many_short,
+    "few-long-many-short": _lengths_few_long_many_short,
+    "equal": lambda total, seed: [total // 8] * 7 + [total - 7 * (total // 8)],
+}
+
+
+def varlen_grid(lengths: list[str], totals: list[int]) -> list[Case]:
+    """Varlen causal and full, MHA 16:16 and GQA 64:8, for each length distribution and total."""
+    cases = []
+    for dist in lengths:
+        for total in totals:
+            lens = LENGTHS[dist](total, 0)
+            for causal in (True, False):
+                for hq, hk in ((16, 16), (64, 8)):
+                    kind = "causal" if causal else "full"
+                    name = f"{dist} {kind} {total // 1024}k/{len(lens)} {hq}:{hk}"
+                    cases.append(varlen_case(name, hq, hk, lens, causal))
+    return cases
+
+
+def head_dim_cases(specs: list[str]) -> list[Case]:
+    """Full and causal 8k for each head dim spec: "128", or "192/128" (q/k 192, v 128: MLA);
+    heads chosen so that every case does the same work as 16 heads of 128."""
+    cases = []
+    for spec in specs:
+        d, _, dv = spec.partition("/")
+        d, dv = int(d), int(dv or d)
+        heads = max(1, 16 * 256 // (d + dv))
+        for causal in (False, True):
+            name = f"{'causal' if causal else 'full'} 8k d{spec} {heads}h"
+            cases.append(dense_case(name, heads, d, causal, dv=dv))
+    return cases
+
+
+def make_cases(names, lengths: list[str] | None = None, totals: list[int] | None = None, head_dims=None):
+    """The named cases in CASES order, then the varlen grid over ``lengths`` x ``totals`` and
+    the dense cases of ``head_dims``."""
+    cases = [make() for name, make in CASES.items() if name in names]
+    if lengths:
+        cases += varlen_grid(lengths, totals or [T32])
+    if head_dims:
+        cases += head_dim_cases(head_dims)
+    return cases
 
 
 # ----------------------------------------------------------------------------- timing
@@ -184,7 +249,8 @@ def host_us(fn, iters: int = 20) -> float:
 
 
 def tflops(case: Case, sec: float) -> float:
-    return 4 * case.area * case.hq * case.d / sec / 1e12
+    """Forward TFLOP/s over the mask area: 2 * area * Hq * (D + Dv) (= 4 * area * Hq * D)."""
+    return 2 * case.area * case.hq * (case.d + case.dv) / sec / 1e12
 
 
 # ----------------------------------------------------------------------------- peers
@@ -342,7 +408,7 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
     torch.manual_seed(0)
     q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
     k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
-    v = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
+    v = torch.randn(case.total, case.hk, case.dv, device="cuda", dtype=dtype, requires_grad=args.bwd)
     qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
     kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
     ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
@@ -374,7 +440,7 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
             if name == "fa4" and args.check:
                 o_ref = f()
                 o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
-                o_ref = o_ref.reshape(case.total, case.hq, case.d)
+                o_ref = o_ref.reshape(case.total, case.hq, case.dv)
                 o_ffa = ffa()
                 o_ffa = o_ffa[0] if isinstance(o_ffa, tuple) else o_ffa
                 res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
@@ -426,12 +492,28 @@ def main(argv=None):
     ap.add_argument(
         "--groups", default="", help="also time FFA with each of these q-head group sizes (e.g. 1,2,16)"
     )
+    ap.add_argument(
+        "--lengths",
+        default="",
+        help=f"also the varlen grid for these length distributions ({','.join(LENGTHS)})",
+    )
+    ap.add_argument("--totals", default="32768,131072", help="token totals of the varlen grid")
+    ap.add_argument(
+        "--head-dims", default="", help="also full/causal 8k at these head dims (e.g. 64,256,192/128)"
+    )
     args = ap.parse_args(argv)
+    lengths = [x for x in args.lengths.split(",") if x]
+    for name in lengths:
+        if name not in LENGTHS:
+            ap.error(f"--lengths: unknown distribution {name!r} (one of {', '.join(LENGTHS)})")
+    totals = [int(x) for x in args.totals.split(",") if x]
+    head_dims = [x for x in args.head_dims.split(",") if x]
     dtype = getattr(torch, args.dtype)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}; torch {torch.__version__}; dtype {args.dtype}", flush=True)
     rows = []
-    for case in make_cases(args.cases.split(",")):
+    cases = make_cases([x for x in args.cases.split(",") if x], lengths, totals, head_dims)
+    for case in cases:
         res, first = bench_case(case, args, dtype)
         torch.cuda.empty_cache()  # give the finished case's memory back before the next one
         rows.append((case, res, first))
