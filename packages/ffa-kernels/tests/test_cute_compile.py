@@ -272,6 +272,19 @@ def test_compile_key_is_stable_and_separates_variants():
         interface.compile_key(torch.bfloat16, default_config(128), True),
     ]
     assert len({k1, *others}) == 5
+    # typed: the fields say what each part is, and the backward's keys never collide with these
+    from ffa_kernels.cute import bwd_interface
+    from ffa_kernels.cute.compile_cache import CompileKey
+    from ffa_kernels.cute.config import default_bwd_config
+
+    assert isinstance(k1, CompileKey) and k1.kernel == "ffa_fwd_sm90" and dict(k1.flags)["softcap"] is False
+    bwd = [
+        bwd_interface.bwd_compile_key(torch.bfloat16, default_bwd_config(128), False, store, det)
+        for store in (False, True)
+        for det in (False, True)
+    ]
+    assert len({k1, *others, *bwd}) == 9 and all(k.kernel == "ffa_bwd_sm90" for k in bwd)
+    assert all(dict(k.flags)["deterministic"] == det for k, det in zip(bwd, (False, True) * 2))
 
 
 def test_accumulate_exported_and_validates():

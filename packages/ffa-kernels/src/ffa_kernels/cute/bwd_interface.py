@@ -9,7 +9,7 @@ import functools
 import torch
 
 from .._identity_cache import IdentityCache
-from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
+from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import HEAD_GROUP_SHIFT, BwdConfig, default_bwd_config
 from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
 from .kernel_args import make_launcher
@@ -34,11 +34,20 @@ def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
 
 def bwd_compile_key(
     torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool, deterministic: bool = False
-) -> tuple:
+) -> CompileKey:
     """Everything a compiled backward depends on; no per-call shape or range content."""
-    spec = repr(bwd_arg_spec(dkv_store))
-    flags = (bool(has_softcap), bool(dkv_store), bool(deterministic))
-    return ("ffa_bwd_sm90", str(torch_dtype), cfg.key(), *flags, spec, arch())
+    return CompileKey(
+        kernel="ffa_bwd_sm90",
+        dtype=str(torch_dtype),
+        config=cfg.key(),
+        flags=(
+            ("softcap", bool(has_softcap)),
+            ("dkv_store", bool(dkv_store)),
+            ("deterministic", bool(deterministic)),
+        ),
+        arg_spec=repr(bwd_arg_spec(dkv_store)),
+        arch=arch(),
+    )
 
 
 def get_bwd_kernel(

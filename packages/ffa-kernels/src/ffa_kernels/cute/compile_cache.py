@@ -32,12 +32,29 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_COMPILED: dict[tuple, object] = {}
+
+@dataclass(frozen=True)
+class CompileKey:
+    """Everything one compiled kernel depends on: never a per-call shape or range content.
+
+    Its ``repr`` (field names included) names the kernel's file in the disk cache, so two
+    keys that differ in any field never share a compiled object."""
+
+    kernel: str  # which kernel class: "ffa_fwd_sm90", "ffa_bwd_sm90"
+    dtype: str  # str() of the torch element dtype
+    config: tuple  # the config dataclass's fields, in order (FwdConfig / BwdConfig .key())
+    flags: tuple[tuple[str, bool], ...]  # named compile-time variants (softcap, accumulate, ...)
+    arg_spec: str  # repr of the packed launcher's argument spec (kernel_args)
+    arch: str  # the target, e.g. "sm_90a"
+
+
+_COMPILED: dict[CompileKey, object] = {}
 _LOCK = threading.Lock()
 
 
@@ -90,7 +107,7 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def forget(key: tuple | None = None) -> None:
+def forget(key: CompileKey | None = None) -> None:
     """Drop one compiled kernel (or all, with None) from the in-memory cache (for tests)."""
     if key is None:
         _COMPILED.clear()
@@ -225,7 +242,7 @@ def export_kernel(fn, kdir: pathlib.Path, name: str) -> None:
 
 
 def compiled_kernel(
-    key: tuple,
+    key: CompileKey,
     name_prefix: str,
     build: Callable[[], object],
     compile_args: Callable[[], list],

@@ -11,7 +11,7 @@ import torch
 
 from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
-from .compile_cache import arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
+from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, make_launcher
 from .tile_plan import get_plan
@@ -21,16 +21,15 @@ logger = logging.getLogger(__name__)
 _LOG2_E = math.log2(math.e)
 
 
-def compile_key(torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False) -> tuple:
-    """Everything a compiled kernel depends on; no per-call shape or range content."""
-    return (
-        "ffa_fwd_sm90",
-        str(torch_dtype),
-        cfg.key(),
-        bool(has_softcap),
-        bool(accumulate),
-        repr(arg_spec(accumulate)),
-        arch(),
+def compile_key(torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False) -> CompileKey:
+    """Everything a compiled forward depends on; no per-call shape or range content."""
+    return CompileKey(
+        kernel="ffa_fwd_sm90",
+        dtype=str(torch_dtype),
+        config=cfg.key(),
+        flags=(("softcap", bool(has_softcap)), ("accumulate", bool(accumulate))),
+        arg_spec=repr(arg_spec(accumulate)),
+        arch=arch(),
     )
 
 
