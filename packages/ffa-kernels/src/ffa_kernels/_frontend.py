@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -26,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from . import _backend
 from ._flex_mask import FlexMask
 from ._merge import merge_finite_lse_
+from ._once_differentiable import once_differentiable
 from ._sink import apply_sink, sink_backward
 from ._types import AttnForwardMeta
 from ._validate import (
@@ -405,59 +405,6 @@ def ffa_backward_stage(
 
 
 # ----------------------------------------------------------------------------- autograd
-
-
-class _NoDoubleBackward(torch.autograd.Function):
-    """Passes first-order gradients through; raises when they are differentiated again."""
-
-    @staticmethod
-    def forward(ctx, what, num_anchors, *tensors):  # type: ignore[override]
-        ctx.what = what
-        return tuple(t.clone() for t in tensors[num_anchors:])
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        raise RuntimeError(
-            f"{ctx.what}: double backward is not supported (its backward is once_differentiable): "
-            "a second derivative through it would be wrong"
-        )
-
-
-def once_differentiable(what: str):
-    """Decorator for an autograd Function's ``backward``: run it without recording a graph and,
-    under ``create_graph=True``, return gradients whose own backward raises ``RuntimeError``
-    ("double backward is not supported") naming ``what``.
-
-    ``torch.autograd.function.once_differentiable`` hangs its error node on detached copies, so
-    ``torch.autograd.grad(first_grad, q)`` never reaches it (it reports "not used in the
-    graph", or with ``allow_unused`` drops the term silently). Here the node hangs on what the
-    gradients really depend on: the incoming gradients and the saved tensors that need grad.
-    """
-
-    def decorate(backward):
-        @functools.wraps(backward)
-        def wrapper(ctx, *grad_outputs):
-            with torch.no_grad():
-                grads = backward(ctx, *grad_outputs)
-            if not torch.is_grad_enabled():  # a plain backward (create_graph=False)
-                return grads
-            anchors = [
-                t
-                for t in (*grad_outputs, *ctx.saved_tensors)
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if not anchors:
-                return grads
-            at = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
-            wrapped = _NoDoubleBackward.apply(what, len(anchors), *anchors, *(grads[i] for i in at))
-            out = list(grads)
-            for i, g in zip(at, wrapped):
-                out[i] = g
-            return tuple(out)
-
-        return wrapper
-
-    return decorate
 
 
 class _FlexFlashAttn(torch.autograd.Function):
