@@ -10,8 +10,8 @@ STAMP  := $(VENV)/.installed
 
 # CPU torch lies on disk (torch 2.13.0); where nvidia-smi exists, pip's default (CUDA) build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
-# triton: its interpreter runs the native comm kernels on the CPU in CI
-DEV_DEPS   := pytest pytest-xdist hypothesis ruff setuptools wheel "matplotlib>=3.7" "triton==3.6.*"
+# triton: its interpreter runs the native comm kernels on the CPU in CI; mypy: `make lint`
+DEV_DEPS   := pytest pytest-xdist hypothesis ruff "mypy==2.4.*" setuptools wheel "matplotlib>=3.7" "triton==3.6.*"
 
 .PHONY: venv test lint demo bench-solver clean
 
@@ -24,9 +24,12 @@ $(STAMP): Makefile $(foreach p,$(PKGS),packages/$(p)/pyproject.toml)
 	$(PIP) install -q --no-build-isolation $(foreach p,$(PKGS),-e "packages/$(p)$(EXTRAS_$(p))")
 	touch $(STAMP)
 
+# ruff (lint, complexity, format) over everything; mypy over the packages' host-side code
+# (its files and settings: [tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
@@ -42,4 +45,4 @@ bench-solver: $(STAMP)
 	$(PY) tools/bench_solver.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

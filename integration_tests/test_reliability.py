@@ -300,6 +300,125 @@ def test_get_position_ids_on_three_ranks():
     run_ranks(3, position_ids, timeout=90)
 
 
+# ----------------------------------------------------------------------------- a peer fails mid-collective
+
+# The timeout of the cp group in the scenario where a peer stops without leaving (seconds): the
+# survivors' error must come from it, so it is short here. The group is made for the scenario
+# (the default group, which the ranks' start-up meets, keeps a long timeout for a loaded CI host).
+STALL_TIMEOUT = 6.0
+FAIL_AT = {"forward": 2, "backward": 3}  # the failing rank's n-th stage kernel of the pass
+
+
+def _fail(how: str) -> None:
+    if how == "raise":
+        raise RuntimeError("injected failure on rank 1")
+    if how == "exit":
+        os._exit(7)  # no exception, no teardown: the process is gone
+    if how == "stall":
+        time.sleep(STALL_TIMEOUT + 4)  # longer than the group's timeout, then carry on
+        return
+    raise AssertionError(how)
+
+
+def peer_fails_mid_collective(
+    rank: int, world: int, where: str, how: str, device: str = "cpu", timeout: float = 0.0
+) -> str:
+    """Rank 1 fails inside ``calc_attn`` (``where``: the forward, while a K/V group-cast is in
+    flight, or the backward, while a dK/dV group-reduce is): it raises (and so leaves), exits,
+    or stalls past the cp group's timeout (``timeout`` > 0: a new group with that timeout, else
+    the default group). Every rank runs two training steps and raises with how long it waited;
+    "no error" means a rank finished them."""
+    import datetime
+
+    import magi_dist.attn as attn
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout)) if timeout else None
+    key = md.magi_attn_varlen_key([0, 100, 256], [0, 100, 256], 4, 2, 8, group, causal=True,
+                                  dist_attn_config=DistAttnConfig(
+                                      dispatch_config=DispatchConfig(chunk_size=16),
+                                      overlap_config=OverlapConfig(degree=2, min_chunk_size=8)))  # fmt: skip
+    q, k, v = (md.dispatch(x.to(device), key).requires_grad_() for x in _inputs(256, 4, 2, 8))
+    if rank == 1:
+        name = "ffa_forward_stage" if where == "forward" else "ffa_backward_stage"
+        real, calls = getattr(attn, name), []
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == FAIL_AT[where]:
+                _fail(how)
+            return real(*args, **kwargs)
+
+        setattr(attn, name, failing)
+    start = time.monotonic()
+    try:
+        for _ in range(2):
+            out, _ = md.calc_attn(q, k, v, key)
+            md.undispatch(out, key).square().sum().backward()
+        if device != "cpu":
+            torch.cuda.synchronize()
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} raised after {time.monotonic() - start:.1f} s") from e
+    return "no error"
+
+
+def _waited(traceback_text: str) -> float:
+    import re
+
+    found = re.search(r"raised after ([0-9.]+) s", traceback_text)
+    assert found, traceback_text
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize(
+    "where, how, world",
+    [("forward", "raise", 2), ("backward", "exit", 3), ("backward", "stall", 2)],
+)
+def test_a_peer_that_fails_mid_collective_is_an_error_on_every_rank(where, how, world):
+    """A peer that raises or exits: the others' transport fails at once (gloo sees the closed
+    connection). A peer that stalls: the others fail at the group's timeout, and the stalled
+    rank fails when it comes back. Never a hang."""
+    stall = how == "stall"
+    seen = run_ranks(
+        world, peer_fails_mid_collective, where, how, "cpu", STALL_TIMEOUT if stall else 0.0,
+        timeout=120, outcomes=True,
+    )  # fmt: skip
+    for r, (kind, detail) in enumerate(seen):
+        if r == 1 and how == "exit":
+            assert (kind, detail) == ("died", 7), (r, kind, detail)
+            continue
+        assert kind == "error", (r, kind, detail)  # an exception on every rank, no "no error"
+        if r == 1 and how == "raise":
+            assert "injected failure on rank 1" in detail, detail
+            continue
+        waited = _waited(detail)
+        if r == 1:  # stalled, then met the closed group
+            assert waited >= STALL_TIMEOUT, detail
+        elif stall:  # the group's timeout, not later
+            assert STALL_TIMEOUT - 1 <= waited <= STALL_TIMEOUT + 10, detail
+        else:  # the peer's socket closed: no wait for a timeout
+            assert waited < 30, detail
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comm", ["a2av", "native"])
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_peer_that_fails_mid_collective_on_two_gpus(how, comm):
+    """NCCL (and the native backend): the survivors end within the process group's timeout
+    (an exception, or the NCCL watchdog ending the process), never a hang."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    pg_timeout = 30.0  # the NCCL group's; the native kernels' waits give up after 20 s
+    start = time.monotonic()
+    seen = run_ranks(
+        2, peer_fails_mid_collective, "backward", how, "cuda", timeout=120, pg_timeout=pg_timeout,
+        env={"MAGI_COMM_BACKEND": comm, "MAGI_COMM_NATIVE_WAIT_TIMEOUT_S": "20"}, outcomes=True,
+        backend="nccl",
+    )  # fmt: skip
+    assert seen[0][0] in ("error", "died"), seen[0]
+    assert seen[1][0] in ("error", "died"), seen[1]
+    assert time.monotonic() - start < pg_timeout + 60, seen
+
+
 # ----------------------------------------------------------------------------- the harness
 
 

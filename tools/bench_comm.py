@@ -29,6 +29,7 @@ and a final markdown table (rank 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import faulthandler
 import os
@@ -246,15 +247,27 @@ def trace(fn, rank: int, name: str, iters: int = 10) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
 
 
-def run_size(
-    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False, nat_host=None
-) -> None:
-    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB.
-    ``nat_host``: a second native collective with the handshake on the host (NVSHMEM signal
-    and wait operations), checked and timed alongside as ``native-host``."""
-    rows = int(mib * (1 << 20)) // ROW_BYTES
-    cross = rows * ROW_BYTES * (world - 1)
-    iters = iters or (50 if mib <= 4 else 20)
+@dataclasses.dataclass
+class _SizeBuffers:
+    """One size's tensors, checked: native cast outputs (``out_n``; ``out_d`` in the symmetric
+    heap) and a2av's (``out_a``), reduce partials (``part``; ``part_d`` in the symmetric heap) and
+    the accumulator's start value ``acc0``; ``args``: the group-cast arguments (ins, outs, dst, src)."""
+
+    args: tuple
+    x: torch.Tensor
+    out_n: torch.Tensor
+    out_a: torch.Tensor
+    out_d: torch.Tensor
+    part: torch.Tensor
+    part_d: torch.Tensor
+    acc0: torch.Tensor
+
+
+def _checked_buffers(
+    nat, a2a, nat_host, rank: int, world: int, rows: int, dev
+) -> tuple[_SizeBuffers, bool, bool]:
+    """The size's buffers, with whether native (and ``nat_host``) cast and reduce match a2av bitwise
+    on this rank."""
     ins, outs, dst, src = layout(rank, world, rows)
     g = torch.Generator(device=dev).manual_seed(rank)
     x = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
@@ -293,6 +306,20 @@ def run_size(
         red_h = acc0.clone()
         nat_host.group_reduce(part, red_h, outs, ins, src, dst).wait()
         ok_red &= torch.equal(red_h.view(torch.int16), red_a.view(torch.int16))
+    bufs = _SizeBuffers((ins, outs, dst, src), x, out_n, out_a, out_d, part, part_d, acc0)
+    return bufs, ok_cast, ok_red
+
+
+def run_size(
+    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False, nat_host=None
+) -> None:
+    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB.
+    ``nat_host``: a second native collective with the handshake on the host (NVSHMEM signal
+    and wait operations), checked and timed alongside as ``native-host``."""
+    rows = int(mib * (1 << 20)) // ROW_BYTES
+    cross = rows * ROW_BYTES * (world - 1)
+    iters = iters or (50 if mib <= 4 else 20)
+    b, ok_cast, ok_red = _checked_buffers(nat, a2a, nat_host, rank, world, rows, dev)
     flags = torch.tensor([int(ok_cast), int(ok_red)], dtype=torch.int64, device=dev)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0:
@@ -300,57 +327,58 @@ def run_size(
             f"check {mib:.0f} MiB: cast native==a2av {bool(flags[0])}, reduce native==a2av {bool(flags[1])}"
         )
 
-    def cast_n():
-        nat.group_cast(x, out_n, ins, outs, dst, src)
-
-    def cast_a():
-        a2a.group_cast(x, out_a, ins, outs, dst, src)
-
-    def cast_d():
-        nat.group_cast(x, out_d, ins, outs, dst, src)
-
-    red = acc0.clone()
-
-    def reduce_n():
-        nat.group_reduce(part, red, outs, ins, src, dst)
-
-    def reduce_a():
-        a2a.group_reduce(part, red, outs, ins, src, dst)
-
-    def reduce_d():
-        nat.group_reduce(part_d, red, outs, ins, src, dst)
-
+    ins, outs, dst, src = b.args
+    red = b.acc0.clone()
+    calls = {  # (op, backend) -> one call
+        ("cast", "native"): lambda: nat.group_cast(b.x, b.out_n, ins, outs, dst, src),
+        ("cast-sym", "native"): lambda: nat.group_cast(b.x, b.out_d, ins, outs, dst, src),
+        ("cast", "a2av"): lambda: a2a.group_cast(b.x, b.out_a, ins, outs, dst, src),
+        ("reduce", "native"): lambda: nat.group_reduce(b.part, red, outs, ins, src, dst),
+        ("reduce-sym", "native"): lambda: nat.group_reduce(b.part_d, red, outs, ins, src, dst),
+        ("reduce", "a2av"): lambda: a2a.group_reduce(b.part, red, outs, ins, src, dst),
+    }
     if profile:
-        for name, fn in (
-            ("native cast", cast_n),
-            ("native cast-sym", cast_d),
-            ("a2av cast", cast_a),
-            ("native reduce", reduce_n),
-            ("native reduce-sym", reduce_d),
-        ):
-            if rank == 0:
-                print(f"== {name} {mib:.0f} MiB", flush=True)
-            host_profile(fn, rank)
-            trace(fn, rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
-        nat.free_output(out_d)
-        nat.free_output(part_d)
-        return
-    for ahead, tag in ((False, ""), (True, " ahead")):
-        if nat_host is not None:
-            for op, out in (("cast", out_n), ("cast-sym", out_d)):
-                call = lambda out=out: nat_host.group_cast(x, out, ins, outs, dst, src)  # noqa: E731
-                log(op, mib, "native-host" + tag, timed(call, iters, 3, ahead), cross)
-            call = lambda: nat_host.group_reduce(part, red, outs, ins, src, dst)  # noqa: E731
-            log("reduce", mib, "native-host" + tag, timed(call, iters, 3, ahead), cross)
-        log("cast", mib, "native" + tag, timed(cast_n, iters, 3, ahead), cross)
-        log("cast-sym", mib, "native" + tag, timed(cast_d, iters, 3, ahead), cross)
-        log("cast", mib, "a2av" + tag, timed(cast_a, iters, 3, ahead), cross)
-        log("reduce", mib, "native" + tag, timed(reduce_n, iters, 3, ahead), cross)
-        log("reduce-sym", mib, "native" + tag, timed(reduce_d, iters, 3, ahead), cross)
-        log("reduce", mib, "a2av" + tag, timed(reduce_a, iters, 3, ahead), cross)
+        _profile_calls(calls, mib, rank)
+    else:
+        for ahead, tag in ((False, ""), (True, " ahead")):
+            if nat_host is not None:
+                host_calls = {
+                    "cast": lambda: nat_host.group_cast(b.x, b.out_n, ins, outs, dst, src),
+                    "cast-sym": lambda: nat_host.group_cast(b.x, b.out_d, ins, outs, dst, src),
+                    "reduce": lambda: nat_host.group_reduce(b.part, red, outs, ins, src, dst),
+                }
+                for op, call in host_calls.items():
+                    log(op, mib, "native-host" + tag, timed(call, iters, 3, ahead), cross)
+            for (op, backend), call in calls.items():
+                log(op, mib, backend + tag, timed(call, iters, 3, ahead), cross)
+        _time_raw_limits(nat, b.x, rows, rank, world, dev, iters, log, mib)
+    nat.free_output(b.out_d)
+    nat.free_output(b.part_d)
 
-    # raw limits: every rank pushes S into the next rank's symmetric buffer (no native call
-    # is in flight: synchronized and fenced by barriers on both sides)
+
+def _profile_calls(calls: dict, mib: float, rank: int) -> None:
+    """Host profile and timeline of each native / a2av call (``run_size --profile-host``)."""
+    for key in (
+        ("cast", "native"),
+        ("cast-sym", "native"),
+        ("cast", "a2av"),
+        ("reduce", "native"),
+        ("reduce-sym", "native"),
+    ):
+        op, backend = key
+        name = f"{backend} {op}"
+        if rank == 0:
+            print(f"== {name} {mib:.0f} MiB", flush=True)
+        host_profile(calls[key], rank)
+        trace(calls[key], rank, f"{name.replace(' ', '_')}_{mib:g}MiB")
+
+
+def _time_raw_limits(
+    nat, x: torch.Tensor, rows: int, rank: int, world: int, dev, iters: int, log, mib: float
+) -> None:
+    """Raw limits: every rank pushes S into the next rank's symmetric buffer (no native call is in
+    flight: synchronized and fenced by barriers on both sides), by ``copy_`` and by the native
+    copy kernel."""
     state = nat._backend._state
     nbytes = rows * ROW_BYTES
     torch.cuda.synchronize()
@@ -374,8 +402,6 @@ def run_size(
         log("raw", mib, "kernel", timed(raw_kernel, iters, 3), nbytes)
         torch.cuda.synchronize()
         dist.barrier()
-    nat.free_output(out_d)
-    nat.free_output(part_d)
 
 
 def main() -> int:

@@ -424,6 +424,26 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
         grouped = run_ffa(q, k, v, qr, kr, ty, head_group=int(gsz))
         res[f"ffa[g={gsz}]"] = tflops(case, bench(grouped, args.iters))
     ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
+    _add_peers(case, args, (q, k, v), ffa, fns, res)
+    # Rounds that time every library in turn: clock and thermal drift over the run hit all of
+    # them alike (timing one library after another favoured whichever ran first). Median.
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, f in fns.items():
+            times[name].append(bench(f, args.iters))
+    for name, ts in times.items():
+        res[name] = tflops(case, _median(ts))
+    if args.bwd:
+        _time_training_steps(case, args, (q, k, v), fns, times, res)
+    if ffa_ml is not None:
+        res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
+    return res, first
+
+
+def _add_peers(case: Case, args, qkv: tuple, ffa, fns: dict, res: dict) -> None:
+    """Build the peer libraries' calls for ``case`` into ``fns`` (a peer that cannot run the case
+    gets ``res[name] = None``); FA4's host time, and with ``--check`` FFA's max difference to it."""
+    q, k, v = qkv
     peers = [] if args.no_peers else [("fa4", run_fa4), ("cudnn", run_sdpa_cudnn)]
     if not args.no_flex and not args.no_peers:
         peers.append(("flex", run_flex))
@@ -438,41 +458,38 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
             if name == "fa4":
                 res["fa4_host_us"] = host_us(f)
             if name == "fa4" and args.check:
-                o_ref = f()
-                o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
-                o_ref = o_ref.reshape(case.total, case.hq, case.dv)
-                o_ffa = ffa()
-                o_ffa = o_ffa[0] if isinstance(o_ffa, tuple) else o_ffa
-                res["maxdiff_vs_fa4"] = (o_ffa.float() - o_ref.float()).abs().max().item()
+                res["maxdiff_vs_fa4"] = _max_diff(case, f(), ffa())  # FA4 first, as it ran
         except Exception as exc:  # a peer failing must not stop the table
             print(f"  [{case.name}] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             res[name] = None
-    # Rounds that time every library in turn: clock and thermal drift over the run hit all of
-    # them alike (timing one library after another favoured whichever ran first). Median.
-    times: dict[str, list[float]] = {name: [] for name in fns}
+
+
+def _max_diff(case: Case, o_ref, o_ffa) -> float:
+    """Max abs difference of two outputs (either may be a tuple holding the output first)."""
+    o_ref = o_ref[0] if isinstance(o_ref, tuple) else o_ref
+    o_ref = o_ref.reshape(case.total, case.hq, case.dv)
+    o_ffa = o_ffa[0] if isinstance(o_ffa, tuple) else o_ffa
+    return (o_ffa.float() - o_ref.float()).abs().max().item()
+
+
+def _time_training_steps(case: Case, args, qkv: tuple, fns: dict, times: dict, res: dict) -> None:
+    """Time a training step (forward + backward) of every library in interleaved rounds; ``times``:
+    the forward times, for the backward's share. Adds ``<name>_step``, ``<name>_bwd`` (TFLOPS) and
+    FFA's and FA4's peak memory per step to ``res``."""
+    steps = {name: training_step(f, qkv) for name, f in fns.items()}
+    step_times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
-        for name, f in fns.items():
-            times[name].append(bench(f, args.iters))
-    for name, ts in times.items():
-        res[name] = tflops(case, _median(ts))
-    if args.bwd:
-        steps = {name: training_step(f, (q, k, v)) for name, f in fns.items()}
-        step_times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(args.rounds):
-            for name, f in steps.items():
-                step_times[name].append(bench(f, args.iters))
-        for name, ts in step_times.items():
-            t_step = _median(ts)
-            t_fwd = _median(times[name])
-            res[f"{name}_step"] = 3.5 * tflops(case, t_step)
-            res[f"{name}_bwd"] = 2.5 * tflops(case, max(t_step - t_fwd, 1e-9))
-        res["ffa_peak_mib"], res["fa4_peak_mib"] = (
-            step_peak_mib(steps.get("ffa")),
-            step_peak_mib(steps.get("fa4")),
-        )
-    if ffa_ml is not None:
-        res["maxlogits_overhead"] = paired_overhead(ffa, ffa_ml, args.iters)
-    return res, first
+        for name, f in steps.items():
+            step_times[name].append(bench(f, args.iters))
+    for name, ts in step_times.items():
+        t_step = _median(ts)
+        t_fwd = _median(times[name])
+        res[f"{name}_step"] = 3.5 * tflops(case, t_step)
+        res[f"{name}_bwd"] = 2.5 * tflops(case, max(t_step - t_fwd, 1e-9))
+    res["ffa_peak_mib"], res["fa4_peak_mib"] = (
+        step_peak_mib(steps.get("ffa")),
+        step_peak_mib(steps.get("fa4")),
+    )
 
 
 def main(argv=None):

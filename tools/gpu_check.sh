@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, run on the device machine after the kit is booted:
 #   source .dk/bin/env.sh && bash tools/gpu_check.sh tests|bench-ffa|bench-dist|all
-# Logs go to $OUT (or ./gpu_logs). Needs 2 GPUs for the distributed parts.
+# Logs go to $OUT (or ./gpu_logs). Needs 2 GPUs for the distributed parts. The training step
+# (cp training against one GPU, peer failures, bench_dist --step, cp 4/8 rows): tools/gpu_multi.sh.
 set -uo pipefail
 out=${OUT:-gpu_logs}
 mkdir -p "$out"

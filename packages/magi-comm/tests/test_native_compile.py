@@ -164,3 +164,41 @@ def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
     assert "ld.global.b16" not in code and "ld.global.u16" not in code, "2-byte data loads"
     # per term: the own input and the region (and the pulled input); and the output
     assert code.count("ld.global.v4") >= (4 if pull else 3), code.count("ld.global.v4")
+
+
+def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):
+    """Every wait for a peer's signal in the compiled copy kernel (its arm, its READY count, its
+    rows) reads the GPU's global timer and traps past MAGI_COMM_NATIVE_WAIT_TIMEOUT_S (a peer
+    that died: an error on this rank, not a hang)."""
+    from magi_comm.backends.native.layout import TaskTable, to_blocks
+
+    compiler, ptx = CompileOnly(), []
+    monkeypatch.setattr(
+        CompiledKernel,
+        "__call__",
+        lambda self, grid, args, consts, num_warps, stream, key=None: ptx.append(
+            compiler._compile(self, args, consts, num_warps).asm["ptx"]
+        ),
+    )
+    monkeypatch.setattr(CompiledKernel, "direct", True, raising=False)
+    n = 64  # words, one peer and this rank (W = 2)
+    words = torch.zeros(64, dtype=torch.int64)
+    buf = torch.zeros(2 * n, dtype=torch.int64)
+    hs = proto.Handshake(words.data_ptr(), words.data_ptr(), words.data_ptr(), 1)
+    task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]]))
+    send = kernels.CopyLaunch(to_blocks(task, 1, 16), [buf.data_ptr(), None], torch.int64, handshake=hs)
+    steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
+    send(buf.data_ptr(), buf.data_ptr() + 8 * n, sync=steps, words=(proto.pack_peer(1, 1), proto.pack_peer()))
+    rtask = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[-1, -1, 0]]))
+    rtable = to_blocks(rtask, 1, 16)
+    waits = (torch.zeros(rtable.num_blocks, dtype=torch.int32), torch.full((rtable.num_blocks,), n))
+    recv = kernels.CopyLaunch(rtable, [None, None], torch.int64, handshake=hs, waits=waits)
+    recv(
+        buf.data_ptr(),
+        buf.data_ptr() + 8 * n,
+        sync=proto.AWAIT_ROWS,
+        words=(proto.pack_peer(1, 1), proto.pack_peer()),
+    )
+    assert len(ptx) == 2
+    for code in ptx:
+        assert "%globaltimer" in code and "trap;" in code, code[-2000:]

@@ -210,6 +210,27 @@ def test_kernel_under_triton_interpreter(entry):
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_a_wait_for_a_peer_that_never_signals_raises_under_triton_interpreter():
+    """The kernels' waits for a peer (its arm, its READY count, its rows) are bounded
+    (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``): past the bound a launch ends with an error (compiled:
+    a trap, the CUDA context in error), not a hang. Here with a bound of 50 polls."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MAGI_COMM_NATIVE_WAIT_TIMEOUT_S="0.05")
+    code = "from magi_comm.testing import native_sim; native_sim.main_triton_wait_bound()"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "soon"])
+def test_the_wait_timeout_must_be_a_positive_number(monkeypatch, value):
+    from magi_comm.backends.native.config import ENV_WAIT_TIMEOUT, wait_timeout_s
+
+    monkeypatch.setenv(ENV_WAIT_TIMEOUT, value)
+    with pytest.raises(ValueError, match=ENV_WAIT_TIMEOUT):
+        wait_timeout_s()
+    monkeypatch.setenv(ENV_WAIT_TIMEOUT, "2.5")
+    assert wait_timeout_s() == 2.5
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     world=st.integers(1, 5),

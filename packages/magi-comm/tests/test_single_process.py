@@ -342,3 +342,23 @@ def test_flags_must_be_bools():
         group_reduce(inp, out, [4], [4], [0], [[0]], acc_reduce="no")
     with pytest.raises(TypeError, match="async_op: expected a bool"):
         group_cast(inp, out, [4], [4], [[0]], [0], async_op=1)
+
+
+def test_a_transport_error_names_the_call_and_post_processing_is_skipped():
+    class FailingWork:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer")
+
+    ran = []
+    work = magi_comm.GroupCollectiveWork(
+        torch.zeros(2),
+        [FailingWork()],
+        lambda: ran.append(1),
+        what="magi_comm.group_cast (a2av backend, rank 0 of 2)",
+    )
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+        work.wait()
+    assert any(
+        "group_cast (a2av backend, rank 0 of 2): the transport failed" in n for n in info.value.__notes__
+    )
+    assert not ran and not work.is_completed()

@@ -21,6 +21,7 @@ instead. CPU tensors are not a fallback (the kernels are CUDA-only): no warning.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import os
@@ -45,8 +46,14 @@ _CHOICES = (REFERENCE, CUTE)
 _CUTE_DTYPES = (torch.float16, torch.bfloat16)
 
 _warned: set[str] = set()
-_UNSET = object()
-_cute: object = _UNSET  # cached result of load_cute(): module, or None when unavailable
+
+
+class _Unset(enum.Enum):
+    UNSET = enum.auto()
+
+
+_UNSET = _Unset.UNSET
+_cute: ModuleType | _Unset | None = _UNSET  # cached result of load_cute(): module, or None when unavailable
 _cute_error: str = ""
 
 
@@ -99,7 +106,7 @@ def load_cute() -> ModuleType | None:
                 _cute = mod
             else:
                 _cute, _cute_error = None, "ffa_kernels.cute does not expose cute_forward"
-    return _cute  # type: ignore[return-value]
+    return _cute
 
 
 def forced_backend() -> str | None:

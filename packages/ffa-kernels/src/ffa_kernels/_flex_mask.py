@@ -42,25 +42,19 @@ def _int_tensor(name: str, x: object, pairs: bool, device: torch.device | None) 
             raise TypeError(f"FlexMask: {name} must hold integers, got dtype {x.dtype}")
         t = x.detach()
     else:
-        if pairs:
-            ok = isinstance(x, Sequence) and all(isinstance(r, Sequence) and len(r) == 2 for r in x)
-        else:
-            ok = isinstance(x, Sequence)
-        if not ok or isinstance(x, str):
+        if (
+            not isinstance(x, Sequence)
+            or isinstance(x, str)
+            or (pairs and not all(isinstance(r, Sequence) and len(r) == 2 for r in x))
+        ):
             shape = "(N, 2) pairs [start, end)" if pairs else "(N,) codes"
             raise TypeError(f"FlexMask: {name} must be a tensor or a sequence of {shape}, got {x!r:.80}")
-        values = [list(r) for r in x] if pairs else [mask_type_code(c) for c in x]
-        if any(
-            isinstance(v, bool) or not isinstance(v, numbers.Integral)
-            for r in values
-            for v in (r if pairs else [r])
-        ):
+        flat = [v for r in x for v in r] if pairs else [mask_type_code(c) for c in x]
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in flat):
             raise TypeError(f"FlexMask: {name} must hold ints, got {x!r:.80}")
-        t = (
-            torch.tensor(values, dtype=torch.int64).reshape(-1, 2)
-            if pairs
-            else torch.tensor(values, dtype=torch.int64)
-        )
+        t = torch.tensor(flat, dtype=torch.int64)
+        if pairs:
+            t = t.reshape(-1, 2)
     want = "(N, 2)" if pairs else "(N,)"
     if (pairs and (t.dim() != 2 or t.shape[1] != 2)) or (not pairs and t.dim() != 1):
         raise ValueError(f"FlexMask: {name} must have shape {want}, got {tuple(t.shape)}")
@@ -197,14 +191,18 @@ class FlexMask:
             return self
         new = object.__new__(FlexMask)
         with torch.inference_mode(False):
-            tensors = [t.to(device) for t in (self.q_ranges, self.k_ranges, self.attn_type_map)]
-        for name, t in zip(("q_ranges", "k_ranges", "attn_type_map"), tensors):
-            object.__setattr__(new, name, t)
+            q_ranges, k_ranges, attn_type_map = (
+                t.to(device) for t in (self.q_ranges, self.k_ranges, self.attn_type_map)
+            )
+        object.__setattr__(new, "q_ranges", q_ranges)
+        object.__setattr__(new, "k_ranges", k_ranges)
+        object.__setattr__(new, "attn_type_map", attn_type_map)
         object.__setattr__(new, "total_q", self.total_q)
         object.__setattr__(new, "total_k", self.total_k)
-        object.__setattr__(
-            new, "_record", register_mask(*tensors, self.total_q, self.total_k, self._record.slices)
+        record = register_mask(
+            q_ranges, k_ranges, attn_type_map, self.total_q, self.total_k, self._record.slices
         )
+        object.__setattr__(new, "_record", record)
         return new
 
     def is_intact(self) -> bool:

@@ -414,7 +414,7 @@ class _FlexFlashAttn(torch.autograd.Function):
     second grad raises ``RuntimeError``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits, deterministic):  # type: ignore[override]
+    def forward(ctx, q, k, v, sink, args, sink_layout, return_max_logits, deterministic):
         # What the operator (`_ops.py`) returns and saves too: out in q's dtype, lse in the
         # accumulator precision (float64 for float64 inputs).
         out, lse_acc, max_logits = _run_forward(args, sink, sink_layout, return_max_logits)
@@ -431,7 +431,7 @@ class _FlexFlashAttn(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable("flex_flash_attn_func")  # a second grad raises instead of being wrong
-    def backward(ctx, dout, _dlse, _dmax):  # type: ignore[override]
+    def backward(ctx, dout, _dlse, _dmax):
         q, k, v, sink, out, lse_acc = ctx.saved_tensors
         args = dataclasses.replace(ctx.args, q=q, k=k, v=v)
         dq = dk = dv = dsink = None
@@ -442,10 +442,13 @@ class _FlexFlashAttn(torch.autograd.Function):
         return dq, dk, dv, dsink, None, None, None, None
 
 
-def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, object]:
+def _autocast_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SDPA's autocast policy: under ``torch.autocast(q's device type, dtype)``, floating q, k, v
     other than float64 are cast to the autocast dtype (differentiably: their gradients come back
-    in their own dtype). The sink stays float32. A no-op outside autocast."""
+    in their own dtype). The sink stays float32. A no-op outside autocast. Arguments that are not
+    tensors pass through unchanged (the checks after it reject them with their messages)."""
     if not isinstance(q, torch.Tensor):
         return q, k, v
     kind = q.device.type
@@ -453,7 +456,7 @@ def _autocast_inputs(q: object, k: object, v: object) -> tuple[object, object, o
         return q, k, v
     dtype = torch.get_autocast_dtype(kind)
 
-    def cast(t: object) -> object:
+    def cast(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
             return t.to(dtype)
         return t

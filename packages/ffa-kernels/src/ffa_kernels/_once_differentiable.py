@@ -12,12 +12,12 @@ class _NoDoubleBackward(torch.autograd.Function):
     """Passes first-order gradients through; raises when they are differentiated again."""
 
     @staticmethod
-    def forward(ctx, what, num_anchors, *tensors):  # type: ignore[override]
+    def forward(ctx, what, num_anchors, *tensors):
         ctx.what = what
         return tuple(t.clone() for t in tensors[num_anchors:])
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         raise RuntimeError(
             f"{ctx.what}: double backward is not supported (its backward is once_differentiable): "
             "a second derivative through it would be wrong"

@@ -85,5 +85,5 @@ class AttnForwardMeta:
             with no covered cell.
     """
 
-    lse: torch.Tensor | None
+    lse: torch.Tensor
     max_logits: torch.Tensor | None

@@ -13,6 +13,7 @@ What is checked where, and what is not, is in docs/reliability.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -204,7 +205,7 @@ def register_mask(
     for ``total_q`` x ``total_k`` tokens. For `ffa_kernels.FlexMask`, which owns the tensors."""
     key = id(q_ranges)
     rec = MaskRecord(
-        weakref.ref(q_ranges, lambda ref, key=key: _forget(key, ref)),
+        weakref.ref(q_ranges, functools.partial(_forget, key)),
         weakref.ref(k_ranges),
         weakref.ref(attn_type_map),
         (q_ranges._version, k_ranges._version, attn_type_map._version),
@@ -231,7 +232,14 @@ def mask_record(
         return None
     if rec.k_ref() is not k_ranges or rec.tm_ref() is not attn_type_map:
         return None
-    if (q_ranges._version, k_ranges._version, attn_type_map._version) != rec.versions:  # type: ignore[union-attr]
+    # the record's own (live) tensors from here on; the checks only narrow their types
+    if not (
+        isinstance(q_ranges, torch.Tensor)
+        and isinstance(k_ranges, torch.Tensor)
+        and isinstance(attn_type_map, torch.Tensor)
+    ):
+        return None
+    if (q_ranges._version, k_ranges._version, attn_type_map._version) != rec.versions:
         return None  # written in place: not the checked mask any more
     if (total_q is not None and total_q != rec.total_q) or (total_k is not None and total_k != rec.total_k):
         return None
@@ -244,7 +252,9 @@ def _check_ranges(
     tensors = _check_range_tensors(q_ranges, k_ranges, attn_type_map, device)
     rec = mask_record(*tensors, tq, tk)
     if rec is not None and rec.device == device:  # a FlexMask's tensors: checked when it was built
-        return tensors[0], tensors[1], tensors[2], rec.slices  # type: ignore[return-value]
+        qr, kr, tm = tensors
+        assert tm is not None  # a FlexMask always holds its type map
+        return qr, kr, tm, rec.slices
     if not cacheable(tensors):  # inference tensors: no version counter to key by
         return _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
     extra = (tq, tk, str(device))
@@ -311,7 +321,7 @@ def _check_ranges_uncached(
         qr.to(device=device).contiguous(),
         kr.to(device=device).contiguous(),
         tm.to(device=device).contiguous(),
-        slices,  # type: ignore[return-value]
+        slices,
     )
 
 
@@ -414,6 +424,7 @@ def validate_attn_inputs(
     q, k, v = _check_qkv(q, k, v)
     scale, cap = _check_scale_softcap(q, softmax_scale, softcap)
     sink = check_sink(sink, sink_layout, q)
+    assert isinstance(sink_layout, str)  # check_sink checked it
     return AttnInputs(
         q, k, v, sink, sink_layout, scale, cap, check_bool("return_max_logits", return_max_logits)
     )

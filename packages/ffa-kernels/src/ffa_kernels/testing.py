@@ -276,7 +276,8 @@ def block_causal_slices(doc_lengths, block: int):
 
 def segment_id_slices(ids):
     """Document mask from segment ids (runs of one id may recur: all its runs see each other)."""
-    runs, start = {}, 0
+    runs: dict[object, list[list[int]]] = {}
+    start = 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or ids[i] != ids[start]:
             runs.setdefault(ids[start], []).append([start, i])

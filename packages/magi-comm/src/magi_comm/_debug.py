@@ -62,8 +62,8 @@ def check_plans_agree(
         _code(str(tuple(row_shape))),
     ]
     for d in range(world):
-        s, r = plan.send_signatures[d], plan.recv_signatures[d]
-        vec += [s.rows, s.num_splits, s.sizes_hash, r.rows, r.num_splits, r.sizes_hash]
+        snd, rcv = plan.send_signatures[d], plan.recv_signatures[d]
+        vec += [snd.rows, snd.num_splits, snd.sizes_hash, rcv.rows, rcv.num_splits, rcv.sizes_hash]
     mine = torch.tensor(vec, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)

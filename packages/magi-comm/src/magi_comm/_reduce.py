@@ -48,6 +48,7 @@ def reduce_sum_avg(
     for out_rows, buf_rows in slots:
         acc.index_add_(0, out_rows, recv.index_select(0, buf_rows).to(adt))
     if average:
+        assert sources_per_row is not None  # the plan's row counts: every avg call passes them
         count = sources_per_row + 1 if acc_reduce else sources_per_row
         # count == 0 only where nothing was added: acc is 0 there, and 0 / 1 = 0.
         count = count.clamp_min(1).to(adt).view(-1, *([1] * (output.dim() - 1)))
@@ -130,6 +131,7 @@ def reduce_received(
     ``recv_lse`` only for ``"lse"``.
     """
     if reduce_op == "lse":
+        assert output_lse is not None and recv_lse is not None  # "lse" carries both (checked upstream)
         reduce_lse(output, output_lse, recv, recv_lse, idx.slots, acc_reduce=acc_reduce)
     else:
         reduce_sum_avg(

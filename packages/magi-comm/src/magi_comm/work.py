@@ -23,7 +23,7 @@ class GroupCollectiveWork:
     ``torch.distributed.Work.wait`` does, and enqueues the post-processing on that stream.
     """
 
-    __slots__ = ("_done", "_keepalive", "_post", "_result", "_works")
+    __slots__ = ("_done", "_keepalive", "_post", "_result", "_what", "_works")
 
     def __init__(
         self,
@@ -31,8 +31,11 @@ class GroupCollectiveWork:
         works: Sequence = (),
         post_process: Callable[[], None] | None = None,
         keepalive: tuple = (),
+        what: str = "",
     ) -> None:
         self._result = result
+        # names the call in the note added to a transport error (``wait``)
+        self._what = what
         # Send/receive buffers must outlive the transport; released once wait() has finished.
         self._keepalive = keepalive
         self._works = [w for w in works if w is not None]
@@ -50,13 +53,26 @@ class GroupCollectiveWork:
 
         ``timeout`` is passed to ``torch.distributed.Work.wait`` (the process group's own
         timeout applies when it is None).
+
+        A transport error (a peer raised or exited, or did not reach this call within the
+        timeout) is raised as the transport raised it, with a note naming this call (the
+        backend's ``what``); the group cannot be used afterwards.
         """
         if not self._done:
-            for w in self._works:
-                if timeout is None:
-                    w.wait()
-                else:
-                    w.wait(timeout)
+            try:
+                for w in self._works:
+                    if timeout is None:
+                        w.wait()
+                    else:
+                        w.wait(timeout)
+            except Exception as e:
+                if self._what:
+                    e.add_note(
+                        f"{self._what}: the transport failed: a peer raised, exited or did not "
+                        "reach this call within the process group's timeout "
+                        "(init_process_group(timeout=...)); this group cannot be used any more"
+                    )
+                raise
             self._works = []
             if self._post is not None:
                 with torch.no_grad():

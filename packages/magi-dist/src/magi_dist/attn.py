@@ -99,6 +99,7 @@ def _concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor) -> torch.T
 def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
     if st.empty:
         return
+    assert st.q_ranges is not None and st.k_ranges is not None  # a non-empty stage has its ranges
     ffa_forward_stage(
         q,
         k,
@@ -117,6 +118,7 @@ def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
 def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap, det=False) -> None:
     if st.empty:
         return
+    assert st.q_ranges is not None and st.k_ranges is not None  # a non-empty stage has its ranges
     ffa_backward_stage(
         dout,
         q,
@@ -139,6 +141,7 @@ def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, sof
 def _single_stage(q, k, v, st: StageTensors, sink, sink_layout, scale, softcap, want_max):
     """The forward of a rank whose rows see one key set (degree 0, or no remote keys): one
     kernel call with the sink inside, output written in q's dtype (no float32 accumulators)."""
+    assert st.q_ranges is not None and st.k_ranges is not None  # callers pass a non-empty stage
     return ffa_forward(
         q,
         k,
@@ -162,9 +165,10 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
     kv = _pack(k, v) if n else None
-    pending = _start_cast(rt, kv, 0) if n else None
+    pending = _start_cast(rt, kv, 0) if kv is not None else None
     _fwd_stage(q, k, v, rt.host_tensors(dev), out, lse, ml, scale, softcap)
     for t in range(n):
+        assert kv is not None and pending is not None  # n > 0: packed, and stage t's cast started
         work, buf = pending
         work.wait()
         pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
@@ -204,6 +208,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
     # owners' sums of the remote [dK, dV] rows (only when there are remote stages)
     dkv_remote = torch.zeros((tk, 2, hk, d), dtype=f32, device=dev) if n else None
     reduces = []
+    kv: torch.Tensor | None
     if rt.me.calc.kv_concat:
         kv = _concat_kv(rt, k, v)
         dkv = torch.zeros(kv.shape, dtype=f32, device=dev)
@@ -211,14 +216,16 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
             dout, q, kv[:, 0], kv[:, 1], out, lse, remote[0], dq, dkv[:, 0], dkv[:, 1], scale, softcap, det
         )
         dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
+        assert dkv_remote is not None  # kv_concat: there is a remote stage (n > 0)
         reduces.append(_start_reduce(rt, dkv[tk:], dkv_remote, 0))
     else:
         kv = _pack(k, v) if n else None
-        pending = _start_cast(rt, kv, 0) if n else None
+        pending = _start_cast(rt, kv, 0) if kv is not None else None
         dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
         for t in range(n):
+            assert kv is not None and pending is not None and dkv_remote is not None  # n > 0
             work, buf = pending
             work.wait()
             pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
@@ -239,7 +246,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
                 det,
             )
             reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
-    if n:
+    if dkv_remote is not None:  # n > 0
         for w in reduces:  # fixed order: the float32 sums are deterministic
             w.wait()
         dk += dkv_remote[:, 0]

@@ -111,7 +111,7 @@ class DistAttnRuntime:
         return torch.device("cpu")
 
     # -- device tensors (built once per device) -------------------------------------------------
-    def _cached(self, name: str, device: torch.device, make):
+    def _cached(self, name: str, device: torch.device | None, make):
         k = (name, device)
         if k not in self._device_cache:
             # Normal tensors even when first needed under torch.inference_mode(): inference

@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,9 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     ref_sink = None if sink is None else sink.clone().requires_grad_()
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device).reshape(-1, 2)  # noqa: E731
     ro, rmeta = flex_flash_attn_func(
-        *ref_in,
+        ref_in[0],
+        ref_in[1],
+        ref_in[2],
         as_t(case.q_ranges),
         as_t(case.k_ranges),
         torch.tensor(case.types, dtype=torch.int32, device=device),
@@ -128,7 +131,12 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     )
     (ro.float() * dout.float()).sum().backward()
 
-    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    def grad(x: torch.Tensor | None) -> torch.Tensor:
+        assert x is not None and x.grad is not None, "no gradient reached this tensor"
+        return x.grad
+
+    def err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+        assert a is not None and b is not None
         a, b = a.detach().double(), b.detach().double()
         both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
         diff = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
@@ -137,20 +145,20 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     errs = {
         "out": err(md.undispatch(out.detach(), key), ro.detach()),
         "lse": err(md.undispatch(meta.lse, key), rmeta.lse),
-        "dq": err(md.undispatch(lq.grad, key), ref_in[0].grad),
-        "dk": err(md.undispatch(lk.grad, key), ref_in[1].grad),
-        "dv": err(md.undispatch(lv.grad, key), ref_in[2].grad),
+        "dq": err(md.undispatch(grad(lq), key), ref_in[0].grad),
+        "dk": err(md.undispatch(grad(lk), key), ref_in[1].grad),
+        "dv": err(md.undispatch(grad(lv), key), ref_in[2].grad),
     }
     if case.max_logits:
         errs["max_logits"] = err(meta.max_logits, rmeta.max_logits)
     if sink is not None:
         if case.sink == "sh":  # each rank holds the gradient of its rows (MAGI_DIST_DSINK_REDUCE=none)
-            total = lsink.grad.clone()
+            total = grad(lsink).clone()
             if os.environ.get(ENV_DSINK_REDUCE, "none") == "none":
                 dist.all_reduce(total, group=group)
-            errs["dsink"] = err(total, ref_sink.grad)
+            errs["dsink"] = err(total, grad(ref_sink))
         else:
-            errs["dsink"] = err(md.undispatch(lsink.grad, key), ref_sink.grad)
+            errs["dsink"] = err(md.undispatch(grad(lsink), key), grad(ref_sink))
     # the sink and its gradient are float32 by contract, whatever the inputs' dtype
     tols = {n: max(case.tol, 1e-5) if n == "dsink" else case.tol for n in errs}
     bad = {n: e for n, e in errs.items() if not e <= tols[n]}
@@ -313,10 +321,11 @@ def _load_function(path: str, qualname: str) -> Callable:
     # Load the caller's file by path: test modules (pytest's importlib mode) are not importable
     # by name in a fresh process, and pickling the function by reference would need that.
     spec = importlib.util.spec_from_file_location(f"_magi_dist_rank_{abs(hash(path))}", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    obj = module
+    obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
@@ -333,14 +342,17 @@ def _rank_main(
     result_path: str,
     hang_dump_s: float,
     pg_timeout_s: float,
+    backend: str,
 ) -> None:
     os.environ.update(env)
     faulthandler.enable()
     # A rank that hangs prints its Python stack before the parent kills it.
     faulthandler.dump_traceback_later(hang_dump_s, exit=False)
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=world,
@@ -367,6 +379,8 @@ def run_ranks(
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
     pg_timeout: float = 300.0,
+    outcomes: bool = False,
+    backend: str = "gloo",
 ) -> list:
     """Run ``fn(rank, world, *args)`` on every rank of a fresh CPU gloo group of ``world``
     processes and return the ranks' return values (in rank order).
@@ -377,7 +391,15 @@ def run_ranks(
     killed), and with ``AssertionError`` when a rank raised (every failing rank's traceback)
     or died (e.g. SIGABRT). ``pg_timeout`` is the process group's own timeout, longer than
     ``timeout`` so that a hang is reported as one.
+
+    ``outcomes=True`` (scenarios in which ranks are meant to fail): return every rank's outcome
+    instead, ``("ok", value)``, ``("error", traceback text)`` or ``("died", exit code)``; a hang
+    still raises `RankHangError`. ``backend="nccl"``: one GPU per rank (rank % device count).
+    A rank that raises leaves at once (``os._exit(1)``, no teardown), as a process whose
+    exception reached the top would, without waiting for its peers.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     fn_path, fn_qualname = inspect.getsourcefile(fn), fn.__qualname__
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -387,7 +409,7 @@ def run_ranks(
         procs = []
         for r in range(world):
             rank_args = (r, world, store, fn_path, fn_qualname, args, env or {}, results[r])
-            procs.append(ctx.Process(target=_rank_main, args=(*rank_args, hang_dump_s, pg_timeout)))
+            procs.append(ctx.Process(target=_rank_main, args=(*rank_args, hang_dump_s, pg_timeout, backend)))
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -398,24 +420,26 @@ def run_ranks(
             procs[r].kill()
         for r in hung:
             procs[r].join(10)
-        outcomes = []
+        seen = []
         for r in range(world):
             if os.path.exists(results[r]):
                 with open(results[r], "rb") as f:
-                    outcomes.append(pickle.load(f))
+                    seen.append(pickle.load(f))
             else:
-                outcomes.append(("died", procs[r].exitcode))
+                seen.append(("died", procs[r].exitcode))
     name = f"{fn_qualname} on {world} ranks"
-    done = {r: o for r, o in enumerate(outcomes) if r not in hung}
+    done = {r: o for r, o in enumerate(seen) if r not in hung}
     if hung:
         raise RankHangError(
             f"hang: {name}: ranks {hung} still running after {timeout:.0f} s (killed); "
             f"the others: {_describe(done)}"
         )
+    if outcomes:
+        return seen
     failed = {r: o for r, o in done.items() if o[0] != "ok"}
     if failed:
         raise AssertionError(f"{name}: {_describe(failed)}")
-    return [o[1] for o in outcomes]
+    return [o[1] for o in seen]
 
 
 def _describe(outcomes: dict[int, tuple]) -> str:

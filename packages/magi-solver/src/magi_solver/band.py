@@ -104,12 +104,15 @@ class Band(NamedTuple):
             if kind == FULL:
                 total += n * (self.k1 - self.k0)
             elif kind == CAUSAL:  # row q spans [k0, q+hi]: width q + hi - k0 + 1, rising by one a row
+                assert self.hi is not None  # _pieces labels a piece CAUSAL only on the hi diagonal
                 first = r0 + self.hi - self.k0 + 1
                 total += n * first + n * (n - 1) // 2
             elif kind == INVCAUSAL:  # row q spans [q+lo, k1): width k1 - q - lo, falling by one a row
+                assert self.lo is not None  # ... and INVCAUSAL only on the lo diagonal
                 first = self.k1 - r0 - self.lo
                 total += n * first - n * (n - 1) // 2
             else:
+                assert self.lo is not None and self.hi is not None  # BICAUSAL: both diagonals
                 total += n * (self.hi - self.lo + 1)
         return total
 
@@ -122,7 +125,7 @@ class Band(NamedTuple):
         a, b = self.nonempty_rows()
         if a >= b:
             return [], 0
-        out = []
+        out: list[tuple[int, int, int, int, int]] = []
         total = 0
         for r0, r1, kind in self._pieces(a, b):
             n = r1 - r0
@@ -131,13 +134,16 @@ class Band(NamedTuple):
                 total += n * (self.k1 - self.k0)
             elif kind == CAUSAL:  # bottom-right aligned: k <= q + (ke - qe) with ke = r1 + hi
                 # row q spans [k0, q+hi]: width q + hi - k0 + 1, rising by one a row
+                assert self.hi is not None
                 out.append((r0, r1, self.k0, r1 + self.hi, CAUSAL))
                 total += n * (r0 + self.hi - self.k0 + 1) + n * (n - 1) // 2
             elif kind == INVCAUSAL:  # top-left aligned: k >= q + (ks - qs) with ks = r0 + lo
                 # row q spans [q+lo, k1): width k1 - q - lo, falling by one a row
+                assert self.lo is not None
                 out.append((r0, r1, r0 + self.lo, self.k1, INVCAUSAL))
                 total += n * (self.k1 - r0 - self.lo) - n * (n - 1) // 2
             else:
+                assert self.lo is not None and self.hi is not None
                 out.append((r0, r1, r0 + self.lo, r1 + self.hi, BICAUSAL))
                 total += n * (self.hi - self.lo + 1)
         return out, total

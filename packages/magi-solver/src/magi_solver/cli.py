@@ -20,7 +20,7 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -31,7 +31,7 @@ from magi_solver.plan import make_plan
 from magi_solver.plan_models import DistAttnPlan
 from magi_solver.types import AttnMask
 
-BUILDERS = {
+BUILDERS: dict[str, Callable[..., AttnMask]] = {
     "varlen": masks.varlen,
     "full": masks.full,
     "causal": masks.causal,

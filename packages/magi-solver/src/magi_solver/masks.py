@@ -7,7 +7,7 @@ unbounded, with query ``i`` of a document aligned to key ``i + sk - sq`` (bottom
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from magi_solver.band import Band
 from magi_solver.types import AttnMask, AttnMaskType, AttnRanges
@@ -24,6 +24,12 @@ __all__ = [
     "sliding_window",
     "varlen",
 ]
+
+
+class IntArray(Protocol):
+    """A 1-D integer array of another library (a torch tensor, a numpy array): read with ``tolist()``."""
+
+    def tolist(self) -> Any: ...
 
 
 def _cu_seqlens(values: Any, name: str) -> list[int]:
@@ -73,14 +79,14 @@ def _doc_bands(
 
 
 def varlen(
-    cu_seqlens_q: Sequence[int],
-    cu_seqlens_k: Sequence[int] | None = None,
+    cu_seqlens_q: Sequence[int] | IntArray,
+    cu_seqlens_k: Sequence[int] | IntArray | None = None,
     *,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     global_window_size: int = 0,
 ) -> AttnMask:
-    """Block-diagonal document mask from cumulative lengths.
+    """Block-diagonal document mask from cumulative lengths (ints, or a 1-D tensor / array).
 
     Document ``d`` holds queries ``[cu_q[d], cu_q[d+1])`` and keys ``[cu_k[d], cu_k[d+1])``
     (``cu_seqlens_k`` defaults to ``cu_seqlens_q``). ``causal`` is bottom-right aligned. A window
@@ -105,8 +111,8 @@ def varlen(
 
 
 def infer_attn_mask_from_cu_seqlens(
-    cu_seqlens_q: Sequence[int],
-    cu_seqlens_k: Sequence[int],
+    cu_seqlens_q: Sequence[int] | IntArray,
+    cu_seqlens_k: Sequence[int] | IntArray,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     global_window_size: int = 0,

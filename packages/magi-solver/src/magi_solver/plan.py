@@ -158,11 +158,15 @@ class _Layout:
 
     @staticmethod
     def build(parts: list[list[int]], cs: int) -> _Layout:
-        owner, local = {}, {}
+        owner: dict[int, int] = {}
+        local: dict[int, int] = {}
         for r, chunks in enumerate(parts):
             for pos, c in enumerate(chunks):
                 owner[c], local[c] = r, pos * cs
-        starts, ends, owners, locs = [], [], [], []
+        starts: list[int] = []
+        ends: list[int] = []
+        owners: list[int] = []
+        locs: list[int] = []
         for c in range(len(owner)):
             if owners and owners[-1] == owner[c] and local[c] == locs[-1] + (ends[-1] - starts[-1]):
                 ends[-1] += cs

@@ -15,7 +15,10 @@ def random_mask(
     share q rows and k columns), with ``sq != sk`` in general and possibly empty rows."""
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     want = rng.randint(1, max_slices)
-    q, k, t, bands = [], [], [], []
+    q: list[tuple[int, int]] = []
+    k: list[tuple[int, int]] = []
+    t: list[int] = []
+    bands: list[Band] = []
     for _ in range(max_tries):
         if len(q) == want or seqlen_q == 0 or seqlen_k == 0:
             break

@@ -125,6 +125,8 @@ class AttnRanges(RootModel[list[AttnRange]]):
     def to_naive_ranges(self) -> list[tuple[int, int]]:
         return [r.to_tuple() for r in self.root]
 
+    # BaseModel.__iter__ yields (field, value) pairs; a list root iterates its items instead
+    # (pydantic's documented RootModel pattern), an intended incompatible override.
     def __iter__(self) -> Iterator[AttnRange]:  # type: ignore[override]
         return iter(self.root)
 

@@ -167,7 +167,14 @@ def _preprocess_launcher(do_dtype: torch.dtype, out_dtype: torch.dtype, d: int):
             return BwdPreprocess(elems[do_dtype], elems[out_dtype], d)
 
         kernel = compiled_kernel(
-            ("ffa_bwd_pre", str(do_dtype), str(out_dtype), d, repr(spec), arch()),
+            CompileKey(
+                kernel="ffa_bwd_pre",
+                dtype=str(do_dtype),
+                config=(str(out_dtype), d),
+                flags=(),
+                arg_spec=repr(spec),
+                arch=arch(),
+            ),
             "ffa_bwd_pre_",
             build,
             lambda: placeholder_args(spec, elems[do_dtype]),

@@ -150,6 +150,7 @@ def usable_cache_dir(kdir: pathlib.Path) -> bool:
     """Create ``kdir`` and its parent (the cache root) with mode 0700 where missing, and check
     both with `dir_problem`. A folder that fails is reported once (a warning) and not used."""
     for d in (kdir.parent, kdir):
+        problem: str | None
         try:
             make_private_dirs(d)
         except OSError as exc:

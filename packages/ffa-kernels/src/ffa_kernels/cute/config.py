@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 # The kernels' int32 flag word holds, from this bit up, how many q heads run side by side in the
 # CTA order (schedule.py); the bits below are the forward's feature flags.
@@ -15,6 +16,8 @@ class _KernelConfig:
     """What every kernel config derives from its fields: thread count and compile-key part."""
 
     num_mma_wg: int
+    # set by @dataclass on every subclass (makes ``self`` a dataclass instance for the checker)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     @property
     def num_threads(self) -> int:

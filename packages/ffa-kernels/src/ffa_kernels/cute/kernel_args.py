@@ -63,7 +63,7 @@ def dsl_args(spec, values: Sequence[Any], elem_dtype) -> list:
     from cutlass.cute.runtime import make_ptr
 
     elems = {"in": elem_dtype, "f32": cutlass.Float32, "i32": cutlass.Int32}
-    out = []
+    out: list[Any] = []
     for (kind, elem, align), val in zip(spec, values, strict=True):
         if kind == "ptr":
             out.append(make_ptr(elems[elem], val, cute.AddressSpace.gmem, assumed_align=align))
@@ -86,7 +86,12 @@ class DslLauncher:
         self.fn(*dsl_args(self.spec, values, self.elem_dtype))
 
 
-_CTYPE = {"ptr": ctypes.c_void_p, "stream": ctypes.c_void_p, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+_CTYPE: dict[str, type[ctypes._SimpleCData[Any]]] = {
+    "ptr": ctypes.c_void_p,
+    "stream": ctypes.c_void_p,
+    "i32": ctypes.c_int32,
+    "f32": ctypes.c_float,
+}
 
 
 class PackedLauncher:
@@ -107,7 +112,7 @@ class PackedLauncher:
 
 
 def _sentinels(spec) -> list:
-    vals = []
+    vals: list[float] = []
     for i, (kind, _, _) in enumerate(spec):
         if kind in ("ptr", "stream"):
             vals.append(0x7F0000001000 + 0x1000 * i)  # distinct, 4 KiB aligned
@@ -122,9 +127,11 @@ def read_c_values(spec, addrs) -> list:
     """The C values at ``addrs`` (one address per argument of ``spec``: ints or c_void_p), read
     with each argument's C type."""
     out = []
-    for (kind, _, _), addr in zip(spec, addrs, strict=True):
-        addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
-        out.append(_CTYPE[kind].from_address(addr).value)
+    for i, ((kind, _, _), addr) in enumerate(zip(spec, addrs, strict=True)):
+        at = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
+        if not at:
+            raise ValueError(f"argument {i}: null address")
+        out.append(_CTYPE[kind].from_address(at).value)
     return out
 
 

@@ -80,16 +80,18 @@ def backward_tile(
         # Hide before exp: a hidden cell may have a logit far above lse and overflow to inf.
         s.view(hk, group, rows, cols).masked_fill_(~mask, _NEG_INF)
     p = s.sub_(lse_h).exp_()
-    safe = not kv_finite and mask is not None
-    if safe:  # a row that sees a NaN key has lse NaN, and exp(-inf - NaN) is NaN on its hidden cells
-        p.view(hk, group, rows, cols).masked_fill_(~mask, 0.0)
+    # Where K/V may be non-finite, the hidden cells are zeroed (None: nothing to zero): a row that
+    # sees a NaN key has lse NaN, and exp(-inf - NaN) is NaN on its hidden cells.
+    zero_hidden = mask if not kv_finite else None
+    if zero_hidden is not None:
+        p.view(hk, group, rows, cols).masked_fill_(~zero_hidden, 0.0)
     dv = torch.bmm(p.transpose(1, 2), doh)
     ds = torch.bmm(doh, vh.transpose(1, 2)).sub_(delta_h).mul_(p)
     if tanh is not None:
         ds.mul_(tanh.mul_(tanh).neg_().add_(1.0))
-    if safe:
-        ds.view(hk, group, rows, cols).masked_fill_(~mask, 0.0)
-        dq = masked_bmm(ds, kh, mask, group)
+    if zero_hidden is not None:
+        ds.view(hk, group, rows, cols).masked_fill_(~zero_hidden, 0.0)
+        dq = masked_bmm(ds, kh, zero_hidden, group)
     else:
         dq = torch.bmm(ds, kh)
     dk = torch.bmm(ds.transpose(1, 2), qh)

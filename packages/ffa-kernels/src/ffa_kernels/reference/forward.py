@@ -165,21 +165,22 @@ def reference_forward_stage(
     for blk in _masks.iter_row_blocks(args.slices):
         rows = blk.num_rows
         qh = block_queries(q, blk, hk, dtype, args.softmax_scale)
-        out_blk: torch.Tensor | None = None
-        lse_blk: torch.Tensor | None = None
+        blk_acc: tuple[torch.Tensor, torch.Tensor] | None = None  # the block's (out, lse) so far
         for tile in blk.tiles(hq, q.device):
             kh, vh = tile_kv(k, v, tile, dtype)
             out_t, lse_t, max_t = forward_tile(
                 qh, kh, vh, tile.mask, hq // hk, args.softcap, max_logits_acc is not None, kv_finite
             )
             if max_logits_acc is not None:
+                assert max_t is not None  # forward_tile was asked for it (want_max)
                 torch.maximum(max_logits_acc, max_t.to(max_logits_acc.dtype), out=max_logits_acc)
-            if out_blk is None:
-                out_blk, lse_blk = out_t, lse_t
+            if blk_acc is None:
+                blk_acc = (out_t, lse_t)
             else:
-                merge_lse_(out_blk, lse_blk, out_t, lse_t)
-        if out_blk is None:  # cannot happen for a non-empty block, but stay safe
+                merge_lse_(blk_acc[0], blk_acc[1], out_t, lse_t)
+        if blk_acc is None:  # cannot happen for a non-empty block, but stay safe
             continue
+        out_blk, lse_blk = blk_acc
         merge_lse_(
             out_acc[blk.q_start : blk.q_end],
             lse_acc[blk.q_start : blk.q_end],

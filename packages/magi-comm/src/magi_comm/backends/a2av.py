@@ -48,6 +48,9 @@ class A2AVBackend:
         self.rank = rank
         self.world_size = world_size
 
+    def _what(self, op: str) -> str:
+        return f"magi_comm.{op} (a2av backend, rank {self.rank} of {self.world_size})"
+
     def _all_to_all(self, recv, send, plan, async_op):
         return dist.all_to_all_single(
             wire_view(recv),
@@ -83,7 +86,7 @@ class A2AVBackend:
             else:
                 output.index_copy_(0, idx.scatter, recv)
 
-        handle = GroupCollectiveWork(output, [work], post, keepalive=(send, recv))
+        handle = GroupCollectiveWork(output, [work], post, (send, recv), self._what("group_cast"))
         if not async_op:
             handle.wait()
         return handle
@@ -106,6 +109,7 @@ class A2AVBackend:
             works = [self._all_to_all(recv, send, plan, async_op)]
             send_lse = recv_lse = None
             if reduce_op == "lse":
+                assert input_lse is not None  # "lse" carries one (checked by the frontend)
                 # The lse rides in a second all-to-all with the same split sizes.
                 send_lse = self._gather(input_lse, idx.gather)
                 recv_lse = input_lse.new_empty((plan.num_recv_rows, *input_lse.shape[1:]))
@@ -114,7 +118,9 @@ class A2AVBackend:
         def post() -> None:
             reduce_received(output, output_lse, recv, recv_lse, idx, reduce_op, acc_reduce)
 
-        handle = GroupCollectiveWork(output, works, post, keepalive=(send, recv, send_lse, recv_lse))
+        handle = GroupCollectiveWork(
+            output, works, post, (send, recv, send_lse, recv_lse), self._what("group_reduce")
+        )
         if not async_op:
             handle.wait()
         return handle

@@ -18,6 +18,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,10 @@ class Layout:
     origin: list[list[tuple[int, int]]]  # [rank][out split] -> (source rank, its input split)
 
     # --- per-rank arguments ---
-    def cast_args(self, r: int):
+    def cast_args(self, r: int) -> tuple[list[int], list[int], list[list[int]], list[int]]:
         return self.in_sizes[r], self.out_sizes[r], self.dst[r], self.src[r]
 
-    def reduce_args(self, r: int):
+    def reduce_args(self, r: int) -> tuple[list[int], list[int], list[int], list[list[int]]]:
         # transpose: the cast's outputs are the reduce's inputs and vice versa
         return self.out_sizes[r], self.in_sizes[r], self.src[r], self.dst[r]
 
@@ -348,7 +349,7 @@ def simulate_cast(lay: Layout, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     return outs
 
 
-def simulate_reduce(lay, inputs, olds, op, acc, in_lses=None, old_lses=None):
+def simulate_reduce(lay: Layout, inputs, olds, op, acc, in_lses=None, old_lses=None):
     plans = [build_reduce_plan(*lay.reduce_args(r), r, lay.world) for r in range(lay.world)]
     chunks = _simulated_a2a(plans, inputs)
     lse_chunks = _simulated_a2a(plans, in_lses) if op == "lse" else None
@@ -357,6 +358,7 @@ def simulate_reduce(lay, inputs, olds, op, acc, in_lses=None, old_lses=None):
         out = olds[d].clone()
         recv = torch.cat(chunks[d])
         if op == "lse":
+            assert lse_chunks is not None
             out_lse = old_lses[d].clone()
             reduce_lse(out, out_lse, recv, torch.cat(lse_chunks[d]), p.slots, acc_reduce=acc)
             res.append((out, out_lse))
@@ -366,16 +368,16 @@ def simulate_reduce(lay, inputs, olds, op, acc, in_lses=None, old_lses=None):
     return res
 
 
-def _simulated_a2a(plans, inputs):
+def _simulated_a2a(plans, inputs) -> list[list[torch.Tensor]]:
     world = len(plans)
-    chunks = [[None] * world for _ in range(world)]
+    chunks: list[list[torch.Tensor | None]] = [[None] * world for _ in range(world)]
     for s, p in enumerate(plans):
         send = inputs[s] if p.gather_index is None else inputs[s].index_select(0, p.gather_index)
         assert send.shape[0] == p.num_send_rows
         for d, piece in enumerate(torch.split(send, list(p.send_counts))):
             assert piece.shape[0] == plans[d].recv_counts[s], "send/recv counts disagree"
             chunks[d][s] = piece
-    return chunks
+    return cast(list[list[torch.Tensor]], chunks)  # every slot filled: each rank sends each rank a piece
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,6 +445,7 @@ def _expect_mismatch(fn, needle: str) -> None:
 def _mismatch_checks(rank: int, world: int, device: str = "cpu") -> None:
     """Debug mode must catch ranks whose arguments disagree (on every rank, no hang)."""
     # rank 0 sends 3 rows to rank 1, which expects 2 rows from rank 0
+    args: tuple[list[int], list[int], list[list[int]], list[int]]  # group_cast's split arguments
     if rank == 0:
         args = ([3], [], [[1]], [])
     elif rank == 1:
@@ -456,15 +459,16 @@ def _mismatch_checks(rank: int, world: int, device: str = "cpu") -> None:
         "rank 0 sends rank 1 3 rows in 1 splits, but rank 1 expects 2",
     )
     # same totals, different split sizes (2+1 vs 1+2)
+    rargs: tuple[list[int], list[int], list[int], list[list[int]]]  # group_reduce's split arguments
     if rank == 0:
-        args = ([2, 1], [], [1, 1], [])
+        rargs = ([2, 1], [], [1, 1], [])
     elif rank == 1:
-        args = ([], [1, 2], [], [[0], [0]])
+        rargs = ([], [1, 2], [], [[0], [0]])
     else:
-        args = ([], [], [], [])
-    x = torch.zeros(sum(args[0]), 2, device=device)
-    y = torch.zeros(sum(args[1]), 2, device=device)
-    _expect_mismatch(lambda: magi_comm.group_reduce(x, y, *args), "different split sizes")
+        rargs = ([], [], [], [])
+    x = torch.zeros(sum(rargs[0]), 2, device=device)
+    y = torch.zeros(sum(rargs[1]), 2, device=device)
+    _expect_mismatch(lambda: magi_comm.group_reduce(x, y, *rargs), "different split sizes")
     # dtype differs across ranks
     dt = torch.float64 if rank == world - 1 else torch.float32
     z = torch.zeros(1, 2, dtype=dt, device=device)

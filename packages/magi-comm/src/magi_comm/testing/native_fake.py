@@ -158,7 +158,9 @@ class FakeWorld:
     def signal_wait_until_on_stream(self, addr, cmp, value, stream):
         idx, off = self._find(addr)
         assert cmp == ComparisonType.CMP_GE
-        slot = self.heaps[self.pe][idx].view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
+        heap = self.heaps[self.pe][idx]
+        assert heap is not None  # _find returns a live allocation
+        slot = heap.view(-1).view(torch.uint8)[off : off + 8].view(torch.int64)
         with self.cond:
             self.waits += 1
             self.host_ops_by[self.pe] += 1

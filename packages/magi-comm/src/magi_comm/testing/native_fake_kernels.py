@@ -80,7 +80,7 @@ class CopyLaunch:
         maps_addr, bases_addr, width = self.direct
         maps = words_at(maps_addr, W * width, torch.int64).view(W, width)
         wb = torch.empty(0, dtype=self.dtype).element_size()
-        out = []
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for c in range(W):
             used = table.task_split[:, c] >= 0
             hdr = int(maps[c, 0])
@@ -198,7 +198,10 @@ class CopyLaunch:
 
 def handshake_steps(world, hs, W, sync, words):
     """The kernels' handshake as a generator: one step at the kernel's start, one at its end."""
-    slot = None if hs is None else (lambda base, kind, c: base + 8 * (kind * W + c))
+
+    def slot(base: int, kind: int, c: int) -> int:  # address of signal slot (kind, c) at base
+        return base + 8 * (kind * W + c)
+
     signals_peers = hs is not None and sync & (proto.ARM_AND_WAIT | proto.READY_END)
     peers = words_at(hs.sig_peers, W, torch.int64).tolist() if signals_peers else []
     waits = [proto.unpack_peer(w) for w in words]

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import magi_comm.testing as lib
-from magi_comm._plan import build_cast_plan, build_reduce_plan
+from magi_comm._plan import CastPlan, ReducePlan, build_cast_plan, build_reduce_plan
 from magi_comm.backends.native.layout import (
     SINK_CONCAT,
     SINK_NONE,
@@ -50,6 +50,7 @@ def _copy(use_triton: bool, max_programs: int = 0):
     from magi_comm.backends.native.kernels import CopyLaunch
 
     fence = torch.zeros(4, dtype=torch.int32)
+    kept: list[torch.Tensor] = []  # the last direct launch's map tables
 
     def run(table, src, sink, peers, world, direct=None):
         addr = [None if p is None else p.data_ptr() for p in peers]
@@ -63,7 +64,7 @@ def _copy(use_triton: bool, max_programs: int = 0):
                     maps[c, 0] = 1  # allocation 0 of the table: the peer's output
                     maps[c, 1 : 1 + len(x[1])] = torch.as_tensor(x[1]) * src.element_size()
                     bases[0, c] = x[0].data_ptr()
-            run.keep = (maps, bases)
+            kept[:] = [maps, bases]
             args = (maps.data_ptr(), bases.data_ptr(), width)
         launch = CopyLaunch(
             table,
@@ -102,6 +103,7 @@ def simulate(
     ``direct_ranks``: receivers of a cast whose output peers write straight into (direct mode:
     no region, no receive copy)."""
     W = lay.world
+    plans: list[CastPlan] | list[ReducePlan]
     if kind == "cast":
         plans = [build_cast_plan(*lay.cast_args(r), r, W) for r in range(W)]
         sink_kind = SINK_SCATTER
@@ -309,7 +311,16 @@ def _pull_setup(plans, inputs, pull_ranks, r: int, width: int, rb: int):
 
 
 def check_fused_reduce(
-    lay, R, dtype, op, acc, use_triton=False, E=3, waits=False, pull_ranks=frozenset(), device="cpu"
+    lay: lib.Layout,
+    R,
+    dtype,
+    op,
+    acc,
+    use_triton=False,
+    E=3,
+    waits=False,
+    pull_ranks=frozenset(),
+    device="cpu",
 ) -> None:
     """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
     ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
@@ -479,6 +490,61 @@ def main_triton_handshake() -> None:
         raise AssertionError("a launch without a handshake accepted handshake steps")
 
     print("native_sim handshake triton ok", file=sys.stderr)
+
+
+def main_triton_wait_bound() -> None:
+    """Entry point: a wait for a signal that never comes ends with an error, not a hang, under
+    TRITON_INTERPRET=1 with a short bound (run with ``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S=0.05``:
+    50 polls). Rank 1 of 2 waits for destination 0's arm (the send kernel's start), then for
+    source 0's READY count (its end), then for source 0's rows (a receive copy beside the
+    transfer); peer 0 never signals, so each launch raises."""
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import CopyLaunch
+    from magi_comm.backends.native.kernels.handshake import WAIT_LIMIT_POLLS
+
+    assert int(WAIT_LIMIT_POLLS) == 50, "run with MAGI_COMM_NATIVE_WAIT_TIMEOUT_S=0.05"
+    W, me, n = 2, 1, 8
+    sigs = [torch.zeros(proto.NUM_SIGNALS * W, dtype=torch.int64) for _ in range(W)]
+    sig_peers = torch.tensor([s.data_ptr() for s in sigs], dtype=torch.int64)
+    counter = torch.zeros(4, dtype=torch.int32)
+    hs = proto.Handshake(sigs[me].data_ptr(), sig_peers.data_ptr(), counter.data_ptr(), me)
+    task = TaskTable(
+        torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]])
+    )  # to peer 0 and the sink
+    region = torch.full((n,), -1, dtype=torch.int64)
+    src, sink = torch.arange(n, dtype=torch.int64), torch.full((n,), -1, dtype=torch.int64)
+    launch = CopyLaunch(to_blocks(task, 1, 4), [region.data_ptr(), None], torch.int64, num_warps=1,
+                        handshake=hs, max_programs=1)  # fmt: skip
+    cases = {
+        "arm": (proto.ARM_AND_WAIT, proto.pack_peer(arm_wait=1)),
+        "ready": (proto.READY_END | proto.WAIT_READY_END, proto.pack_peer(1, 1)),
+    }
+    for name, (steps, word) in cases.items():
+        try:
+            launch(src.data_ptr(), sink.data_ptr(), sync=steps, words=(word, proto.pack_peer()))
+        except Exception as e:  # the interpreter's InterpreterError around the kernel's assertion
+            assert "did not come within the wait bound" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name}: a wait for a signal that never comes returned")
+        counter.zero_()  # the abandoned launch left its count of finished programs behind
+    # a receive copy beside the transfer: the rows of source 0 never arrive
+    rtask = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[-1, -1, 0]]))
+    rtable = to_blocks(rtask, 1, 4)
+    waits = (torch.zeros(rtable.num_blocks, dtype=torch.int32), torch.full((rtable.num_blocks,), n))
+    recv = CopyLaunch(rtable, [None, None], torch.int64, num_warps=1, handshake=hs, max_programs=1,
+                      waits=waits)  # fmt: skip
+    try:
+        recv(
+            region.data_ptr(),
+            sink.data_ptr(),
+            sync=proto.AWAIT_ROWS,
+            words=(proto.pack_peer(1, 1), proto.pack_peer()),
+        )
+    except Exception as e:
+        assert "did not come within the wait bound" in str(e), e
+    else:
+        raise AssertionError("a receive copy waiting for rows that never come returned")
+    print("native_sim wait bound triton ok", file=sys.stderr)
 
 
 def main_triton_overlap() -> None:

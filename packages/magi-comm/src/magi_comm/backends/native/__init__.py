@@ -17,6 +17,7 @@ from .config import (
     ENV_MAX_PROGRAMS,
     ENV_OVERLAP_CHUNK_KB,
     ENV_STREAM_PRIORITY,
+    ENV_WAIT_TIMEOUT,
     OVERLAP_MIN_CHUNKS,  # noqa: F401  (an attribute here before)
     NativeConfig,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ENV_MAX_PROGRAMS",
     "ENV_OVERLAP_CHUNK_KB",
     "ENV_STREAM_PRIORITY",
+    "ENV_WAIT_TIMEOUT",
     "NativeBackend",
     "NativeConfig",
     "shutdown",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from .. import BackendUnavailableError
 
@@ -18,10 +19,12 @@ __all__ = [
     "ENV_MAX_PROGRAMS",
     "ENV_OVERLAP_CHUNK_KB",
     "ENV_STREAM_PRIORITY",
+    "ENV_WAIT_TIMEOUT",
     "MIB",
     "OVERLAP_MIN_CHUNKS",
     "NativeConfig",
     "unavailable",
+    "wait_timeout_s",
 ]
 
 ENV_BUFFER_MB = "MAGI_COMM_NATIVE_BUFFER_MB"
@@ -30,6 +33,8 @@ ENV_STREAM_PRIORITY = "MAGI_COMM_NATIVE_STREAM_PRIORITY"
 ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
 ENV_DEVICE_HANDSHAKE = "MAGI_COMM_NATIVE_DEVICE_HANDSHAKE"
 ENV_OVERLAP_CHUNK_KB = "MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB"
+ENV_WAIT_TIMEOUT = "MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"
+DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
 CONSUMER_PROGRAMS = 128  # grid of a waiting receive step when max_programs is 0 (unbounded)
@@ -112,7 +117,7 @@ class NativeConfig:
         """The defaults, overridden by the ``MAGI_COMM_NATIVE_*`` variables that are set; a bad
         value raises ValueError naming its variable."""
         off = ("0", "false", "no", "off")
-        kw = {
+        kw: dict[str, Any] = {  # NativeConfig's keyword arguments (bools, then ints)
             field: os.environ.get(env, "1").strip().lower() not in off
             for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
         }
@@ -145,6 +150,22 @@ class NativeConfig:
     def aligned_buffer_bytes(self) -> int:
         """``buffer_bytes`` rounded up to whole MiB (at least one)."""
         return max(MIB, (self.buffer_bytes + MIB - 1) // MIB * MIB)
+
+
+def wait_timeout_s() -> float:
+    """Seconds a kernel waits for a peer's signal before it gives up (``$MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``,
+    default 600): a peer that died then ends the wait with an error (the kernel traps) instead
+    of a hang. Read once, when the kernels are imported (they are compiled with it)."""
+    value = os.environ.get(ENV_WAIT_TIMEOUT, "").strip()
+    if not value:
+        return DEFAULT_WAIT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"${ENV_WAIT_TIMEOUT} must be a number of seconds, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"${ENV_WAIT_TIMEOUT} must be a positive finite number of seconds, got {value!r}")
+    return seconds
 
 
 def unavailable(reason: str) -> BackendUnavailableError:

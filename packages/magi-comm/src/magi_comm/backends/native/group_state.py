@@ -50,7 +50,8 @@ class PairCounters:
     @staticmethod
     def zero(world: int) -> PairCounters:
         """Counters of a fresh group of ``world`` ranks."""
-        return PairCounters(*([0] * world for _ in range(5)), [-1] * world, [-1] * world)
+        zeros = [0] * world
+        return PairCounters(zeros[:], zeros[:], zeros[:], zeros[:], zeros[:], [-1] * world, [-1] * world)
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -103,6 +103,7 @@ class Launches:
         Cached on the plan. Depends on the receive buffer (its size and address: part of the
         key), so a grown buffer gets a fresh entry."""
         st = self.state
+        assert st.buf is not None  # the receive buffer exists once the group is set up
         key = ("native-layout", sink_kind, rbs, ws, st.capacity, st.buf.data_ptr())
         layout = plan._on_device.get(key)
         if layout is not None:
@@ -154,10 +155,15 @@ class Launches:
         if overlap:
             progress, waits = self._overlap_tables(plan, send, recv, sched.region_rows, rb, w)
         # a cast's sends read the peers' maps: they may write straight into peer outputs
-        direct = (st.maps.data_ptr(), st.outputs.bases.data_ptr(), st.map_width)
+        direct: tuple[int, int, int] | None = (st.maps.data_ptr(), st.outputs.bases.data_ptr(), st.map_width)
         direct = direct if sink_kind == SINK_SCATTER else None
         # a reduce's first send (of the first field) publishes the pull-map headers
-        publish = (st.pull_peers.data_ptr(), st.accepts.data_ptr(), st.map_width, st.pull_decided.data_ptr())
+        publish: tuple[int, int, int, int] | None = (
+            st.pull_peers.data_ptr(),
+            st.accepts.data_ptr(),
+            st.map_width,
+            st.pull_decided.data_ptr(),
+        )
         publish = publish if sink_kind != SINK_SCATTER and publishes else None
         sender = make(
             send.to(st.device, host_to_device),

@@ -9,6 +9,7 @@ buffer").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -384,6 +385,7 @@ def to_blocks(table: TaskTable, row_words: int, block_words: int) -> BlockTable:
         task_within = torch.zeros(T, dtype=torch.int64)
     else:
         task_split = table.split_idx.contiguous()
+        assert table.within is not None  # given with split_idx
         task_within = table.within * row_words
     return BlockTable(
         blk_task.to(torch.int32),
@@ -402,7 +404,7 @@ def apply_blocks(
     table: BlockTable,
     src: torch.Tensor,
     sink: torch.Tensor,
-    peers: list[torch.Tensor],
+    peers: Sequence[torch.Tensor | None],
     world_size: int,
     direct: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> None:
@@ -426,7 +428,9 @@ def apply_blocks(
             if off < 0:
                 continue
             target = sink if c == world_size else peers[c]
-            if c < world_size and direct is not None and direct[c] is not None:
-                target, split_start = direct[c]
+            peer_direct = direct[c] if c < world_size and direct is not None else None
+            if peer_direct is not None:
+                target, split_start = peer_direct
                 off = int(split_start[int(table.task_split[t, c])]) + int(table.task_within[t])
+            assert target is not None, f"the table writes column {c}, which has no region"
             target[off + start : off + start + n] = vals

@@ -110,6 +110,7 @@ class ReducePath:
         fields = [Field(src, recv, rb)]
         src_lse = recv_lse = None
         if reduce_op == "lse":
+            assert input_lse is not None  # "lse" carries one (checked by the frontend)
             src_lse = input_lse.contiguous()
             recv_lse = st.scratch_rows("lse", plan.num_recv_rows, input_lse)
             fields.append(Field(src_lse, recv_lse, row_bytes(src_lse)))

@@ -124,7 +124,7 @@ def publish_table(plan, map_width: int, pull: tuple[int, int, int] | None = None
     """
     W, r = plan.world_size, plan.rank
     in_off = _prefix(list(plan.input_split_sizes))
-    rows = []
+    rows: list[list[int]] = []
     for c in range(W):
         if c == r or plan.send_counts[c] == 0:
             rows.append([])

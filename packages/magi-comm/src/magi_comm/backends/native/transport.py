@@ -94,6 +94,7 @@ class Transport:
         sched, per_field = self.launches.layout(plan, sink_kind, rbs, ws)
         if consume is not None and sched.num_rounds > 1:
             raise AssertionError("fused consumption needs a single round")
+        assert st.buf is not None  # the receive buffer exists once the group is set up
         base = st.buf.data_ptr()
         prepared = [
             (f.src.data_ptr(), f.sink.data_ptr(), base + off, runs)

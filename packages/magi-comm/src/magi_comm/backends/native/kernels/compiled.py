@@ -14,6 +14,8 @@ bits of the varying addresses.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["CompiledKernel", "args_device", "specialization"]
@@ -33,7 +35,7 @@ class CompiledKernel:
         self.jit_fn = jit_fn
         # the interpreter (TRITON_INTERPRET=1, CPU tests) has no compiled handle: plain launches
         self.direct = hasattr(jit_fn, "device_caches")
-        self.cache: dict[tuple, object] = {}
+        self.cache: dict[tuple, Any] = {}  # Triton's compiled kernels (untyped)
         self.variants: dict[tuple, int] = {}
 
     def variant(self, fixed: tuple) -> int:

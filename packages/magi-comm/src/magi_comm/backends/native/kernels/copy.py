@@ -226,7 +226,7 @@ def _copy_kernel(
     # PUBLISH (a reduce's send): program 0 writes every destination's pull-map header (``pub``:
     # the publish table, see terms.publish_table; ``pub_peers``: each peer's pull-map
     # area; ``accepts``: the destinations' accept words); rows of pulled destinations stay.
-    handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM)
+    handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM, PAUSE)
     offs = tl.arange(0, BLOCK)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -282,7 +282,9 @@ def _copy_kernel(
         # release atomic at system scope (cumulative over the CTA's stores).
         tl.debug_barrier()
         tl.atomic_add(fence.to(tl.pointer_type(tl.int32)), 1, sem="release", scope="sys")
-    handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W, ME, HS_READY, HS_WAIT_END)
+    handshake_end(
+        sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W, ME, HS_READY, HS_WAIT_END, PAUSE
+    )
 
 
 def _handshake_flags(sync: int) -> dict[str, int]:
@@ -356,7 +358,7 @@ class CopyLaunch:
                  max_programs: int = 0, handshake: Handshake | None = None,
                  progress: tuple[torch.Tensor, int, int] | None = None,
                  waits: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 publish: tuple[int, int, int] | None = None) -> None:  # fmt: skip
+                 publish: tuple[int, int, int, int] | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")

@@ -13,10 +13,13 @@ import triton
 import triton.language as tl
 
 from .. import protocol as proto
+from ..config import wait_timeout_s
 
 __all__ = [
     "PEER_ARGS",
     "POLL_PAUSE_NS",
+    "WAIT_LIMIT_NS",
+    "WAIT_LIMIT_POLLS",
     "await_at_least",
     "await_rows",
     "backoff",
@@ -36,12 +39,58 @@ READY = tl.constexpr(proto.READY)
 PROGRESS = tl.constexpr(proto.PROGRESS)
 PEER_ARGS = [f"p{c}" for c in range(proto.PEER_WORDS)]  # a kernel's packed per-peer words
 POLL_PAUSE_NS = 500
+# How long a wait for a peer's signal may last (MAGI_COMM_NATIVE_WAIT_TIMEOUT_S): compiled, in
+# nanoseconds of the GPU's global timer; under the interpreter (no inline PTX), in polls, one
+# per millisecond of the timeout.
+WAIT_LIMIT_NS = tl.constexpr(int(wait_timeout_s() * 1e9))
+WAIT_LIMIT_POLLS = tl.constexpr(max(1, int(wait_timeout_s() * 1e3)))
 
 
 def poll_pause(compiled: bool) -> int:
     """Nanoseconds between the polls of a waiting program: 0 when the kernel is not
-    ``compiled`` (the interpreter has no inline PTX)."""
+    ``compiled`` (the interpreter has no inline PTX). Also the kernels' "compiled" flag."""
     return POLL_PAUSE_NS if compiled else 0
+
+
+@triton.jit
+def _clock(PAUSE: tl.constexpr):
+    """The GPU's global timer (ns) in a compiled kernel (``PAUSE > 0``), 0 in the interpreter."""
+    t = tl.full((), 0, tl.int64)
+    if PAUSE > 0:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;",
+            "=l,r",
+            [tl.full((), 0, tl.int32)],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+    return t
+
+
+@triton.jit
+def _waited_too_long(start, polls, PAUSE: tl.constexpr):
+    """Whether a wait that began at ``_clock`` ``start`` and made ``polls`` polls is past the
+    bound (``WAIT_LIMIT_NS`` of the global timer; ``WAIT_LIMIT_POLLS`` in the interpreter)."""
+    if PAUSE > 0:
+        late = (_clock(PAUSE) - start) > WAIT_LIMIT_NS
+    else:
+        late = polls > WAIT_LIMIT_POLLS
+    return late
+
+
+@triton.jit
+def _give_up(PAUSE: tl.constexpr):
+    """A peer's signal did not come within the bound (the peer died or stopped): end the kernel
+    with an error instead of spinning for ever. Compiled: ``trap``, which aborts the launch and
+    leaves the CUDA context in error, so the host's next CUDA call on this rank raises
+    ("unspecified launch failure"); the interpreter raises an AssertionError from the launch."""
+    if PAUSE > 0:
+        tl.inline_asm_elementwise(
+            "trap; mov.u32 $0, 0;", "=r,r", [tl.full((), 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1
+        )
+    else:
+        tl.static_assert(False, "magi_comm native: a peer's signal did not come within the wait bound")
 
 
 @triton.jit
@@ -66,11 +115,17 @@ def peer_word(c: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 
 
 @triton.jit
-def await_at_least(ptr, value):
+def await_at_least(ptr, value, PAUSE: tl.constexpr):
     """Spin until the local int64 at ``ptr`` is >= ``value``, then acquire at system scope (the
-    peer's stores released before its signal are visible to every thread of the program)."""
+    peer's stores released before its signal are visible to every thread of the program).
+    Past the wait bound the kernel gives up with an error (`_give_up`)."""
+    start = _clock(PAUSE)
+    polls = 0
     cur = tl.load(ptr, volatile=True)
     while cur < value:
+        polls += 1
+        if _waited_too_long(start, polls, PAUSE):
+            _give_up(PAUSE)
         cur = tl.load(ptr, volatile=True)
     # a compare-and-swap that never swaps (counts are >= 0): the ordering point
     never = tl.full((), -1, tl.int64)
@@ -80,7 +135,7 @@ def await_at_least(ptr, value):
 
 @triton.jit
 def handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.constexpr, ME: tl.constexpr,
-                     HS_ARM: tl.constexpr):  # fmt: skip
+                     HS_ARM: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The send kernel's start (``HS_ARM``): program 0 adds 1 to ``ARM`` slot ``ME`` on every
     source flagged ``arm_now``; every program waits until each destination's ``ARM`` slot
     reaches ``arm_wait`` (its earlier use of its region and output is over)."""
@@ -94,12 +149,12 @@ def handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.conste
         for c in tl.static_range(W):
             want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
             if want > 0:
-                await_at_least(slots + ARM * W + c, want)
+                await_at_least(slots + ARM * W + c, want, PAUSE)
 
 
 @triton.jit
 def handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W: tl.constexpr, ME: tl.constexpr,
-                   HS_READY: tl.constexpr, HS_WAIT_END: tl.constexpr):  # fmt: skip
+                   HS_READY: tl.constexpr, HS_WAIT_END: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The send kernel's end: the last program to finish signals ``READY`` to every
     destination (``HS_READY``) and then waits for every source's ``READY`` count
     (``HS_WAIT_END``), so the kernels after it on the stream find the peers' rows in place."""
@@ -123,7 +178,7 @@ def handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W: tl
                 for c in tl.static_range(W):
                     want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
                     if want > 0:
-                        await_at_least(slots + READY * W + c, want)
+                        await_at_least(slots + READY * W + c, want, PAUSE)
 
 
 @triton.jit
@@ -169,9 +224,14 @@ def await_rows(sig, s, rows, word, seen, W: tl.constexpr, PAUSE: tl.constexpr):
         prog = slots + PROGRESS * W + s
         rdy = slots + READY * W + s
         ready_want = (word >> 1) & 0x7FFFFFFF
+        start = _clock(PAUSE)
+        polls = 0
         p = tl.load(prog, volatile=True)
         r = tl.load(rdy, volatile=True)
         while (p < want) & (r < ready_want):
+            polls += 1
+            if _waited_too_long(start, polls, PAUSE):
+                _give_up(PAUSE)
             backoff(PAUSE)
             p = tl.load(prog, volatile=True)
             r = tl.load(rdy, volatile=True)

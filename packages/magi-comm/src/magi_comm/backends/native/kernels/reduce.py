@@ -33,7 +33,7 @@ _DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
 
 @triton.jit
 def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W: tl.constexpr,
-                ME: tl.constexpr, WAIT_DONE: tl.constexpr):  # fmt: skip
+                ME: tl.constexpr, WAIT_DONE: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The fused reduction's last program: raise ``DONE`` on every source to the pair's epoch
     (this rank no longer reads its input); with ``WAIT_DONE`` (our input may be read in place)
     wait for ``DONE`` of every destination this call's send left its rows to (``decided``,
@@ -61,7 +61,7 @@ def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7
                         got = tl.load(at, volatile=True)
                     got = tl.atomic_add(at, 0, sem="acquire", scope="gpu")
                     if (got & 1) != 0:
-                        await_at_least(slots + DONE * W + c, dst_epoch)
+                        await_at_least(slots + DONE * W + c, dst_epoch, PAUSE)
 
 
 @triton.jit(do_not_specialize=PEER_ARGS + _DONE_ARGS)
@@ -196,7 +196,7 @@ def _reduce_kernel(
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
         tile += tl.num_programs(0)
     if END:
-        _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE)
+        _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE, PAUSE)
 
 
 _reduce = CompiledKernel(_reduce_kernel)
@@ -227,7 +227,7 @@ def launch_reduce(
     acc_reduce: bool,
     average: bool,
     stream: torch.cuda.Stream | None = None,
-    waits: tuple[torch.Tensor, int, tuple[int, ...], int] | None = None,
+    waits: tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], int] | None = None,
     pull: tuple[torch.Tensor, int, int, int] | None = None,
     end: tuple[Handshake, int, int, tuple[int, ...], bool] | None = None,
     tile_rows: int | None = None,
@@ -277,6 +277,7 @@ def launch_reduce(
     acc_dt = tl.float64 if out.dtype == torch.float64 else tl.float32
     W = term_row.shape[1]
     ntiles = triton.cdiv(n_rows, br) * triton.cdiv(E, bc)
+    words: tuple[int, ...]  # one packed word per peer (none without waits)
     if waits is None:
         grid = (max(ntiles, 1), 1, 1)
         need, order, sig, words = nterms, nterms, out.data_ptr(), ()

@@ -1,0 +1,109 @@
+"""tools/bench_dist.py and tools/allgather_cp.py on the CPU: the benchmark's cases, FLOP counts and
+tables, the all-gather baseline's forward and backward against one process, and both modes of the
+benchmark run end to end on 2 gloo ranks with tiny sizes (the GPU-only peers, torch's ring
+context_parallel, are skipped there and show as "–")."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ffa_kernels import flex_flash_attn_func
+from magi_dist.testing import run_ranks
+from magi_solver import masks
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool(name: str):
+    """tools/<name>.py as the module ``name`` (bench_dist imports allgather_cp by that name,
+    which a script finds in its own folder)."""
+    if name not in sys.modules:
+        if name == "bench_dist":
+            _tool("allgather_cp")
+        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_cases_and_flops():
+    bd = _tool("bench_dist")
+    cases = bd.bench_cases(bd.STEP_MASKS, [65536, 131072])
+    assert [c.name for c in cases[:4]] == [
+        "varlen causal 64k",
+        "varlen full 64k",
+        "causal 64k",
+        "varlen block causal 64k",
+    ]
+    assert len(cases) == 8 and all(c.mask.total_seqlen_q == c.total for c in cases)
+    assert [c.causal for c in cases[:4]] == [True, False, True, True]
+    causal = cases[2]
+    assert causal.mask.area() == bd.plain_area(65536, True) == 65536 * 65537 // 2
+    # forward 4·area·Hq·D, a step 3.5x that (backward 2.5x the forward)
+    assert bd.attn_flops(10, 32, 128) == 4 * 10 * 32 * 128
+    assert bd.attn_flops(10, 32, 128, step=True) == 3.5 * 4 * 10 * 32 * 128
+    assert bd.tflops(2e12, 0.5, 2) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="unknown mask kind 'ring'"):
+        bd.bench_cases("ring", [1024])
+    args = bd.parse_args(["--step"])
+    assert args.masks == bd.STEP_MASKS and args.whole and not args.deterministic
+    assert bd.parse_args([]).masks == bd.FORWARD_MASKS
+
+
+def test_step_table():
+    bd = _tool("bench_dist")
+    nan = float("nan")
+    row = bd.StepRow("causal 64k", 7e14, 7e14, 1.0, 0.95, 0.9, 1.8, 1.1, 1.25, 1.001)
+    cells = row.cells(cp=2)
+    # magi 350 TFLOP/s per GPU; one GPU over the whole mask: 7e14 / 1.8 s = 388.9 -> 90%
+    assert cells[:8] == ["causal 64k", "350.0", "368.4", "95.0%", "388.9", "90.0%", "388.9", "90.0%"]
+    assert cells[8:12] == ["318.2", "110.0%", "280.0", "125.0%"]
+    partial = bd.StepRow("x", 1e12, nan, 1.0, 1.0, 1.0, nan, 1.0, nan, 1.0)
+    assert partial.cells(2).count("–") == 4  # no whole-mask time, no ring: their cells and ratios
+    lines = bd.step_table([row, partial], 2).splitlines()
+    assert lines[0] == bd.STEP_HEADER and lines[1].count("---") == lines[0].count("|") - 1
+    assert lines[2] == "| " + " | ".join(cells) + " |" and len(lines) == 4
+
+
+def allgather_fwd_bwd(rank: int, world: int) -> list[float]:
+    ag_mod = _tool("allgather_cp")
+    mask = masks.varlen([0, 100, 230, 300], causal=True)
+    ag = ag_mod.AllGatherCP(mask, dist.group.WORLD, 16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(300, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    lq, lk, lv = (ag.dispatch(x, rank).requires_grad_() for x in (q, k, v))
+    out = ag.forward(lq, lk, lv)
+    grads = torch.autograd.grad(out, (lq, lk, lv), ag.dispatch(dout, rank))
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
+    ranges = (torch.tensor(x, dtype=torch.int32) for x in mask.to_lists())
+    ref = flex_flash_attn_func(*ref_in, *ranges)[0]
+    ref_grads = torch.autograd.grad(ref, ref_in, dout)
+    pairs = zip((ref, *ref_grads), (out, *grads))
+    return [float((ag.dispatch(r.detach(), rank) - x).abs().max()) for r, x in pairs]
+
+
+def on_gloo(rank: int, world: int, argvs: list[list[str]]) -> tuple[list[float], list[str]]:
+    """The all-gather check, then each benchmark run (one process group for all: spawning ranks
+    costs more than the tiny benchmark)."""
+    bd = _tool("bench_dist")
+    return allgather_fwd_bwd(rank, world), [bd.run(bd.parse_args(argv)) for argv in argvs]
+
+
+def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
+    tiny = ["--totals", "512", "--hq", "2", "--hk", "1", "--d", "16", "--chunk", "64", "--iters", "1"]
+    argvs = [[*tiny, "--step", "--masks", "varlen_causal,full"], [*tiny, "--masks", "causal"]]
+    ranks = run_ranks(2, on_gloo, argvs, timeout=180)
+    for rank, (errs, _) in enumerate(ranks):
+        assert max(errs) < 1e-12, (rank, errs)  # all-gather CP: out, dq, dk, dv against one process
+    step, fwd = ranks[0][1]
+    lines = step.strip().splitlines()
+    assert lines[-4] == _tool("bench_dist").STEP_HEADER
+    assert lines[-2].startswith("| varlen causal 512 | ") and lines[-1].startswith("| full 512 | ")
+    assert "| causal 512 | " in fwd and "K/V bytes received per rank" in fwd
