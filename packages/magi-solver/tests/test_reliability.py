@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
@@ -32,51 +31,27 @@ from magi_solver import (
 from magi_solver import plan as plan_module
 from magi_solver.band import Band
 from magi_solver.cli import main
-from magi_solver.overlap import ChunkCost, group_chunks, no_overlap_cost, overlap_cost, stage_costs
-from magi_solver.plan import Interval, _cut, _Layout, _overlapping, _stage_calc
-from magi_solver.plan_models import CalcMeta
-from magi_solver.testing import cu_seqlens, long_tailed_lengths, random_mask
+from magi_solver.overlap import ChunkCost
+from magi_solver.plan import _cut, _Layout, _overlapping, _own_rows, _RankGeometry
+from magi_solver.testing import cu_seqlens, long_tailed_lengths, plan_config, random_mask
 from magi_solver.types import merge_intervals
 from magi_solver.verify import _cells, check_plan
 
 # ----------------------------------------------------------------------------- the old geometry
 
 
-@dataclass
-class _OldRankGeometry:
-    """The planner's per-rank geometry before the near-linear rewrite, verbatim: one band piece
-    per (band, interval) pair (quadratic on long causal / block-causal masks)."""
-
-    rank: int
-    config: DistAttnConfig
-    host_ranges: list[tuple[int, int, int]]
-    rows: list[tuple[Band, int]]  # (band clipped to own rows, global->local row shift)
-    host_bands: list[Band]
-    remote_chunks: list[list[Interval]]
-    chunk_costs: list[ChunkCost]
-    host_cost: float
-    area: int
-    stage_runs: list[list[tuple[int, int, int]]] = field(default_factory=list)  # (g0, g1, buf start)
-    stage_bands: list[list[Band]] = field(default_factory=list)
-    estimated_cost: float = 0.0
-    kv_concat: bool = False
+class _OldRankGeometry(_RankGeometry):
+    """The planner's per-rank geometry before the near-linear rewrite, verbatim where it changed
+    (`build`'s host and cost cuts, the stage cut): one band piece per (band, interval) pair
+    (quadratic on long causal / block-causal masks). The rest is inherited."""
 
     @staticmethod
     def build(
         rank: int, layout: _Layout, bands: list[Band], chunk_bands: list[list[int]], config: DistAttnConfig
     ) -> _OldRankGeometry:
-        cs = layout.cs
         host = layout.host_ranges(rank)
         h_starts, h_ends = [h[0] for h in host], [h[1] for h in host]
-        rows: list[tuple[Band, int]] = []
-        for g0, g1, l0 in host:
-            ids = sorted(
-                {i for c in range(g0 // cs, g1 // cs) if c < len(chunk_bands) for i in chunk_bands[c]}
-            )
-            for i in ids:
-                b = bands[i].clip_rows(g0, g1)
-                if not b.is_empty():
-                    rows.append((b, l0 - g0))
+        rows = _own_rows(host, layout.cs, bands, chunk_bands)
         host_bands, remote = [], []
         for b, dq in rows:
             c0, c1 = b.touched_cols()
@@ -125,36 +100,10 @@ class _OldRankGeometry:
             area=host_area + sum(area_per_chunk),
         )
 
-    def assign_stages(self, degree: int, alg, shard: int) -> None:
-        """Group remote chunks into stages, lay out each stage buffer, cut bands by stage columns."""
-        self.kv_concat = degree == 0
-        groups = (
-            [list(range(len(self.remote_chunks)))]
-            if degree == 0
-            else group_chunks(self.chunk_costs, degree, alg)
-        )
-        self.estimated_cost = (
-            no_overlap_cost(self.host_cost, self.chunk_costs)
-            if degree == 0
-            else overlap_cost(self.host_cost, stage_costs(self.chunk_costs, groups))
-        )
-        base = shard if self.kv_concat else 0
-        self.stage_runs = []
-        for g in groups:
-            runs: list[list[int]] = []
-            off = base
-            for ci in g:
-                for s, e in self.remote_chunks[ci]:
-                    if runs and runs[-1][1] == s:
-                        runs[-1][1] = e
-                    else:
-                        runs.append([s, e, off])
-                    off += e - s
-            self.stage_runs.append([(a, b, o) for a, b, o in runs])
-        # stages are contiguous groups of globally ordered chunks, so all runs are sorted together
+    def _cut_stage_bands(self) -> None:
         flat = [(a, b, o, t) for t, runs in enumerate(self.stage_runs) for a, b, o in runs]
         starts, ends = [f[0] for f in flat], [f[1] for f in flat]
-        self.stage_bands = [[] for _ in groups]
+        self.stage_bands = [[] for _ in self.stage_runs]
         for b, dq in self.rows:
             c0, c1 = b.touched_cols()
             for i in _overlapping(starts, ends, c0, c1):
@@ -162,16 +111,6 @@ class _OldRankGeometry:
                 piece = b.clip_cols(a, e)
                 if not piece.is_empty():
                     self.stage_bands[t].append(piece.shifted(dq, o - a))
-
-    def calc_meta(self, shard: int) -> CalcMeta:
-        recv = [sum(b - a for a, b, _ in runs) for runs in self.stage_runs]
-        if self.kv_concat:
-            host = _stage_calc([], shard)
-            remote = [_stage_calc(self.host_bands + self.stage_bands[0], shard + recv[0])]
-        else:
-            host = _stage_calc(self.host_bands, shard)
-            remote = [_stage_calc(bs, n) for bs, n in zip(self.stage_bands, recv)]
-        return CalcMeta(host=host, remote=remote, kv_concat=self.kv_concat)
 
 
 # ----------------------------------------------------------------------------- planner: same plan
@@ -202,23 +141,6 @@ def assert_same_plan(new, old):
             assert _stage_cells(sn) == _stage_cells(so)
 
 
-def _config(chunk, degree, alg="min_heap", min_chunk=8, max_chunks=8, overlap_alg="uniform"):
-    overlap = (
-        OverlapConfig(
-            mode="dynamic",
-            degree=None,
-            dynamic_max_degree=4,
-            min_chunk_size=min_chunk,
-            max_num_chunks=max_chunks,
-        )
-        if degree is None
-        else OverlapConfig(
-            degree=degree, min_chunk_size=min_chunk, max_num_chunks=max_chunks, alg=overlap_alg
-        )
-    )
-    return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=chunk, alg=alg), overlap_config=overlap)
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -235,7 +157,7 @@ def test_new_geometry_plans_like_the_old_one_on_random_masks(
     seed, seqlen, cp, chunk, degree, alg, min_chunk, max_chunks, overlap_alg
 ):
     mask = random_mask(random.Random(seed), seqlen, max_slices=10)
-    cfg = _config(chunk, degree, alg, min_chunk, max_chunks, overlap_alg)
+    cfg = plan_config(chunk, degree, alg, min_chunk, max_chunks, overlap_alg)
     with pytest.MonkeyPatch.context() as mp:
         assert_same_plan(make_plan(mask, cp, cfg), _old_plan(mp, mask, cp, cfg))
 
@@ -260,7 +182,7 @@ BUILDER_MASKS = {
 )
 def test_new_geometry_plans_like_the_old_one_on_builder_masks(monkeypatch, name, cp, degree, alg):
     mask = BUILDER_MASKS[name]
-    cfg = _config(8, degree, alg, min_chunk=16, max_chunks=6)
+    cfg = plan_config(8, degree, alg, min_chunk=16, max_chunks=6)
     new = make_plan(mask, cp, cfg)
     check_plan(new)
     assert_same_plan(new, _old_plan(monkeypatch, mask, cp, cfg))

@@ -16,25 +16,8 @@ from magi_solver import (
     make_plan,
     masks,
 )
-from magi_solver.testing import random_mask
+from magi_solver.testing import plan_config, random_mask
 from magi_solver.verify import PlanError, check_plan
-
-
-def config(chunk=16, degree=1, alg="min_heap", min_chunk=8, max_chunks=8, overlap_alg="uniform"):
-    overlap = (
-        OverlapConfig(
-            mode="dynamic",
-            degree=None,
-            dynamic_max_degree=4,
-            min_chunk_size=min_chunk,
-            max_num_chunks=max_chunks,
-        )
-        if degree is None
-        else OverlapConfig(
-            degree=degree, min_chunk_size=min_chunk, max_num_chunks=max_chunks, alg=overlap_alg
-        )
-    )
-    return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=chunk, alg=alg), overlap_config=overlap)
 
 
 @settings(max_examples=300, deadline=None)
@@ -53,7 +36,7 @@ def test_plan_is_exact_and_zero_redundant(
     seed, seqlen, cp, chunk, degree, alg, min_chunk, max_chunks, overlap_alg
 ):
     mask = random_mask(random.Random(seed), seqlen)
-    plan = make_plan(mask, cp, config(chunk, degree, alg, min_chunk, max_chunks, overlap_alg))
+    plan = make_plan(mask, cp, plan_config(chunk, degree, alg, min_chunk, max_chunks, overlap_alg))
     # per rank: cells of all stages == the rank's rows of the mask, once; reads only local or
     # received rows; every received row read; nothing received twice; comm args pair up
     check_plan(plan)
@@ -79,13 +62,13 @@ def test_plan_is_exact_and_zero_redundant(
 )
 @pytest.mark.parametrize("cp", [1, 3, 4])
 def test_builder_masks_plan_exactly(mask, cp):
-    plan = make_plan(mask, cp, config(chunk=11, degree=2, min_chunk=5))
+    plan = make_plan(mask, cp, plan_config(chunk=11, degree=2, min_chunk=5))
     check_plan(plan)
 
 
 def test_zero_redundancy_beats_ring_and_allgather():
     mask = masks.varlen([0, 300, 700, 1024], causal=True)
-    plan = make_plan(mask, 4, config(chunk=64, degree=2, min_chunk=32))
+    plan = make_plan(mask, 4, plan_config(chunk=64, degree=2, min_chunk=32))
     st = plan.stats
     assert st.ring_tokens_per_rank == [3 * 256] * 4 == st.allgather_tokens_per_rank
     assert st.total_recv_tokens < sum(st.ring_tokens_per_rank)
@@ -102,13 +85,13 @@ def test_chunk_grid_pads_and_keeps_one_chunk_per_rank():
     assert chunk_grid(100, 4, DispatchConfig(chunk_size=16)) == (16, 8, 128)
     cs, n, padded = chunk_grid(4096, 2, DispatchConfig(chunk_size=1024, min_chunks_per_rank=4))
     assert (cs, n, padded) == (512, 8, 4096)
-    plan = make_plan(masks.causal(100), 4, config(chunk=16))
+    plan = make_plan(masks.causal(100), 4, plan_config(chunk=16))
     assert plan.padded_seqlen == 128 and plan.shard_seqlen == 32 and plan.pad_size == 28
     check_plan(plan)
 
 
 def test_degree_zero_concatenates_local_and_remote():
-    plan = make_plan(masks.causal(64), 2, config(chunk=8, degree=0))
+    plan = make_plan(masks.causal(64), 2, plan_config(chunk=8, degree=0))
     for r in plan.ranks:
         assert r.calc.kv_concat and len(r.calc.remote) == 1 and len(r.calc.host) == 0
         assert r.calc.remote[0].total_seqlen_k == plan.shard_seqlen + r.comm.stages[0].num_recv_tokens
@@ -123,10 +106,10 @@ def test_dynamic_degree_uses_agreement_hook():
         seen.append(d)
         return 3
 
-    plan = make_plan(mask, 4, config(chunk=32, degree=None, min_chunk=16), degree_agreement=agree)
+    plan = make_plan(mask, 4, plan_config(chunk=32, degree=None, min_chunk=16), degree_agreement=agree)
     assert seen and plan.overlap_degree == 3
     check_plan(plan)
-    free = make_plan(mask, 4, config(chunk=32, degree=None, min_chunk=16))
+    free = make_plan(mask, 4, plan_config(chunk=32, degree=None, min_chunk=16))
     assert 1 <= free.overlap_degree <= 4
 
 
@@ -140,7 +123,7 @@ def test_dynamic_degree_picks_cheapest_by_cost_model():
 
 
 def test_group_reduce_args_are_the_transpose():
-    plan = make_plan(masks.varlen([0, 40, 96], causal=True), 3, config(chunk=8, degree=2, min_chunk=4))
+    plan = make_plan(masks.varlen([0, 40, 96], causal=True), 3, plan_config(chunk=8, degree=2, min_chunk=4))
     for r in plan.ranks:
         for cast in r.comm.stages:
             red = cast.to_group_reduce()
@@ -150,7 +133,7 @@ def test_group_reduce_args_are_the_transpose():
 
 
 def test_check_plan_catches_corruption():
-    plan = make_plan(masks.causal(48), 3, config(chunk=8, degree=1, min_chunk=4))
+    plan = make_plan(masks.causal(48), 3, plan_config(chunk=8, degree=1, min_chunk=4))
     check_plan(plan)
     data = plan.model_dump()
     host = data["ranks"][1]["calc"]["host"]

@@ -302,18 +302,9 @@ class _RankGeometry:
     def build(
         rank: int, layout: _Layout, bands: list[Band], chunk_bands: list[list[int]], config: DistAttnConfig
     ) -> _RankGeometry:
-        cs = layout.cs
         host = layout.host_ranges(rank)
         h_starts, h_ends, h_locs = [h[0] for h in host], [h[1] for h in host], [h[2] for h in host]
-        rows: list[tuple[Band, int]] = []
-        for g0, g1, l0 in host:
-            ids = sorted(
-                {i for c in range(g0 // cs, g1 // cs) if c < len(chunk_bands) for i in chunk_bands[c]}
-            )
-            for i in ids:
-                b = bands[i].clip_rows(g0, g1)
-                if not b.is_empty():
-                    rows.append((b, l0 - g0))
+        rows = _own_rows(host, layout.cs, bands, chunk_bands)
         # host ranges lie one after another in the local buffer: one group
         host_bands = [p for b, dq in rows for _, p in _cut_band(b, dq, h_starts, h_ends, h_locs)]
         # remote columns: the columns the rows touch, less the host ranges
@@ -364,6 +355,12 @@ class _RankGeometry:
 
     def assign_stages(self, degree: int, alg, shard: int) -> None:
         """Group remote chunks into stages, lay out each stage buffer, cut bands by stage columns."""
+        self._layout_stages(degree, alg, shard)
+        self._cut_stage_bands()
+
+    def _layout_stages(self, degree: int, alg, shard: int) -> None:
+        """Stages (groups of remote chunks), the estimated cost, and each stage's runs of
+        columns with their place in the stage buffer (``stage_runs``)."""
         self.kv_concat = degree == 0
         groups = (
             [list(range(len(self.remote_chunks)))]
@@ -388,12 +385,15 @@ class _RankGeometry:
                         runs.append([s, e, off])
                     off += e - s
             self.stage_runs.append([(a, b, o) for a, b, o in runs])
+
+    def _cut_stage_bands(self) -> None:
+        """``stage_bands``: the rows' bands cut by the stages' columns, in buffer coordinates."""
         # stages are contiguous groups of globally ordered chunks, so all runs are sorted together,
         # and the runs of one stage lie one after another in its buffer
         flat = [(a, b, o, t) for t, runs in enumerate(self.stage_runs) for a, b, o in runs]
         starts, ends, locs = [f[0] for f in flat], [f[1] for f in flat], [f[2] for f in flat]
         stage_end = list(itertools.accumulate(len(runs) for runs in self.stage_runs))
-        self.stage_bands = [[] for _ in groups]
+        self.stage_bands = [[] for _ in self.stage_runs]
         for b, dq in self.rows:
             for i, piece in _cut_band(b, dq, starts, ends, locs, stage_end):
                 self.stage_bands[flat[i][3]].append(piece)
@@ -407,6 +407,21 @@ class _RankGeometry:
             host = _stage_calc(self.host_bands, shard)
             remote = [_stage_calc(bs, n) for bs, n in zip(self.stage_bands, recv)]
         return CalcMeta(host=host, remote=remote, kv_concat=self.kv_concat)
+
+
+def _own_rows(
+    host: list[tuple[int, int, int]], cs: int, bands: list[Band], chunk_bands: list[list[int]]
+) -> list[tuple[Band, int]]:
+    """The bands clipped to a rank's own rows (``host``: its (global start, end, local start)
+    ranges of whole chunks of ``cs`` rows), each with its global -> local row shift."""
+    rows: list[tuple[Band, int]] = []
+    for g0, g1, l0 in host:
+        ids = sorted({i for c in range(g0 // cs, g1 // cs) if c < len(chunk_bands) for i in chunk_bands[c]})
+        for i in ids:
+            b = bands[i].clip_rows(g0, g1)
+            if not b.is_empty():
+                rows.append((b, l0 - g0))
+    return rows
 
 
 def _subtract(intervals: list[Interval], holes: list[tuple[int, int, int]]) -> list[Interval]:

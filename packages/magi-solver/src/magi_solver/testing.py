@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from magi_solver.band import Band
+from magi_solver.config import DispatchConfig, DistAttnConfig, OverlapConfig
 from magi_solver.types import AttnMask
 
 
@@ -60,3 +61,30 @@ def cu_seqlens(lens: list[int]) -> list[int]:
     for n in lens:
         cu.append(cu[-1] + n)
     return cu
+
+
+def plan_config(
+    chunk: int = 16,
+    degree: int | None = 1,
+    alg: str = "min_heap",
+    min_chunk: int = 8,
+    max_chunks: int = 8,
+    overlap_alg: str = "uniform",
+) -> DistAttnConfig:
+    """A planner config for tests: ``chunk``-token chunks dispatched by ``alg``, a static
+    overlap ``degree`` (None: dynamic, up to 4) with remote chunks of at least ``min_chunk``
+    tokens, at most ``max_chunks`` of them, grouped by ``overlap_alg``."""
+    overlap = (
+        OverlapConfig(
+            mode="dynamic",
+            degree=None,
+            dynamic_max_degree=4,
+            min_chunk_size=min_chunk,
+            max_num_chunks=max_chunks,
+        )
+        if degree is None
+        else OverlapConfig(
+            degree=degree, min_chunk_size=min_chunk, max_num_chunks=max_chunks, alg=overlap_alg
+        )
+    )
+    return DistAttnConfig(dispatch_config=DispatchConfig(chunk_size=chunk, alg=alg), overlap_config=overlap)
