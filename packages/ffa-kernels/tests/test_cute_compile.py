@@ -105,15 +105,13 @@ def test_deterministic_order_never_waits_in_lockstep(seed, mask):
         cuts = sorted(rng.sample(range(1, 40), rng.randrange(1, 6)))
         bounds = [0, *(c * tile_n for c in cuts), 40 * tile_n]
         qr = [[a, b] for a, b in zip(bounds[:-1], bounds[1:])]
-        ty = [1] * len(qr)
+        kr = qr
     else:
         n, w = 40 * tile_n, rng.randrange(1, 6) * tile_n
         # slice per key tile row band: q rows [i, i+tile_n) see keys [i - w, i + tile_n), causal
         qr = [[i, i + tile_n] for i in range(0, n, tile_n)]
-        ty = [1] * len(qr)
-    kr = [[max(0, a - (0 if mask == "varlen_causal" else w)), b] for a, b in qr]
-    if mask == "varlen_causal":
-        kr = [list(r) for r in qr]
+        kr = [[max(0, a - w), b] for a, b in qr]
+    ty = [1] * len(qr)
     t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     total = qr[-1][1]
     work, ent, _ = build_bwd_plan_cpu(t(qr), t(kr), t(ty), total, tile_n, tile_m, aligned=True)

@@ -192,6 +192,20 @@ def build_bwd_plan_cpu(
     return work.contiguous(), entries, total_blocks
 
 
+def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts[i]`` items of each owner i, in order: (owner, index within its owner), int64."""
+    owner = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return owner, torch.arange(owner.shape[0]) - first[owner]
+
+
+def _entries_in_cta_order(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every entry in CTA order (work tiles in plan order, then their entries): (its work
+    tile, its row in the entry table), int64; ``work`` int64 (W, 4)."""
+    owner, pos = _expand(work[:, 2] - work[:, 1])
+    return owner, work[owner, 1] + pos
+
+
 def deterministic_order(work: torch.Tensor, entries: torch.Tensor, tile_m: int) -> torch.Tensor:
     """The order of the key tiles in the deterministic backward, int64 ``(W,)`` indices into ``work``.
 
@@ -208,10 +222,7 @@ def deterministic_order(work: torch.Tensor, entries: torch.Tensor, tile_m: int) 
         return torch.zeros(0, dtype=torch.int64)
     w = work.to(torch.int64)
     ent = entries.to(torch.int64)
-    ent_count = w[:, 2] - w[:, 1]
-    owner = torch.repeat_interleave(torch.arange(n_work), ent_count)
-    first_ent = torch.cumsum(ent_count, 0) - ent_count
-    e_idx = w[owner, 1] + (torch.arange(owner.shape[0]) - first_ent[owner])
+    owner, e_idx = _entries_in_cta_order(w)
     q_lo = torch.div(ent[e_idx, 0], tile_m, rounding_mode="floor")
     q_hi = q_lo + ent[e_idx, 1]
     start = torch.full((n_work,), 1 << 40, dtype=torch.int64).scatter_reduce_(0, owner, q_lo, "amin")
@@ -238,16 +249,9 @@ def visit_ranks(work: torch.Tensor, entries: torch.Tensor, tile_m: int) -> torch
     w = work.to(torch.int64)
     ent = entries.to(torch.int64)
     n_work = w.shape[0]
-    ent_count = w[:, 2] - w[:, 1]
-    # entries in CTA order
-    owner = torch.repeat_interleave(torch.arange(n_work), ent_count)
-    first_ent = torch.cumsum(ent_count, 0) - ent_count
-    e_idx = w[owner, 1] + (torch.arange(owner.shape[0]) - first_ent[owner])
-    nblk = ent[e_idx, 1]
+    _, e_idx = _entries_in_cta_order(w)
     # visits in CTA order, and the q block each adds to
-    v_ent = torch.repeat_interleave(torch.arange(e_idx.shape[0]), nblk)
-    first_v = torch.cumsum(nblk, 0) - nblk
-    j = torch.arange(v_ent.shape[0]) - first_v[v_ent]
+    v_ent, j = _expand(ent[e_idx, 1])
     block = torch.div(ent[e_idx[v_ent], 0], tile_m, rounding_mode="floor") + j
     order = torch.argsort(block, stable=True)
     sorted_block = block[order]
