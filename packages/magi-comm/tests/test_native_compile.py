@@ -128,11 +128,8 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)
 
 
-@pytest.mark.parametrize("pull", [False, True])
-def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
-    """The fused reduction of 16-byte rows (1024 bf16) reads every term, from the regions and
-    pulled from a peer's input, with 16-byte vector loads on sm_90 (a pointer made from an
-    integer address, or a hint on the wrong dimension, turns them into 2-byte loads)."""
+def _capture_ptx(monkeypatch) -> list[str]:
+    """Launches compile for sm_90 instead of running: the PTX of each lands in the list."""
     compiler, ptx = CompileOnly(), []
     monkeypatch.setattr(
         CompiledKernel,
@@ -142,6 +139,15 @@ def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
         ),
     )
     monkeypatch.setattr(CompiledKernel, "direct", True, raising=False)
+    return ptx
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
+    """The fused reduction of 16-byte rows (1024 bf16) reads every term, from the regions and
+    pulled from a peer's input, with 16-byte vector loads on sm_90 (a pointer made from an
+    integer address, or a hint on the wrong dimension, turns them into 2-byte loads)."""
+    ptx = _capture_ptx(monkeypatch)
     W, E, n = 2, 1024, 8
     out = torch.zeros((n, E), dtype=torch.bfloat16)
     inp = torch.zeros((n, E), dtype=torch.bfloat16)
@@ -172,15 +178,7 @@ def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):
     that died: an error on this rank, not a hang)."""
     from magi_comm.backends.native.layout import TaskTable, to_blocks
 
-    compiler, ptx = CompileOnly(), []
-    monkeypatch.setattr(
-        CompiledKernel,
-        "__call__",
-        lambda self, grid, args, consts, num_warps, stream, key=None: ptx.append(
-            compiler._compile(self, args, consts, num_warps).asm["ptx"]
-        ),
-    )
-    monkeypatch.setattr(CompiledKernel, "direct", True, raising=False)
+    ptx = _capture_ptx(monkeypatch)
     n = 64  # words, one peer and this rank (W = 2)
     words = torch.zeros(64, dtype=torch.int64)
     buf = torch.zeros(2 * n, dtype=torch.int64)
