@@ -109,7 +109,7 @@ def reference_backward_stage(
 ) -> None:
     """Add the gradient contributions of every slice in ``args`` to the accumulators, in place.
 
-    ``dout``, ``out``: ``(Tq, Hq, D)``; ``lse``: ``(Tq, Hq)`` final (global, sink included);
+    ``dout``, ``out``: ``(Tq, Hq, Dv)``; ``lse``: ``(Tq, Hq)`` final (global, sink included);
     ``dq_acc`` ``(Tq, Hq, D)``, ``dk_acc``/``dv_acc`` ``(Tk, Hk, D)`` float32/float64.
     """
     q, k, v = args.q, args.k, args.v
