@@ -365,7 +365,7 @@ class FFAForwardSm90:
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
         consumer_wait(pipe_v, v_state)
         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-        sched_barrier_arrive(cfg.pingpong, wg_idx)
+        sched_barrier_arrive(cfg.pingpong, wg_idx, cfg.num_mma_wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(k_state)
         self.scores(

@@ -72,12 +72,14 @@ def consumer_wait(pipe, state):
 
 
 def sched_barrier_sync(enabled: bool, wg_idx):
-    """Wait for this consumer warpgroup's turn to issue WGMMAs (ping-pong between 2 WGs)."""
+    """Wait for this consumer warpgroup's turn to issue WGMMAs (the warpgroups take turns in a
+    ring: 0, 1, 0, 1, ... with two, 0, 1, 2, 0, ... with three)."""
     if cutlass.const_expr(enabled):
         cute.arch.barrier(barrier_id=int(NamedBarrier.SchedWG1) + wg_idx, number_of_threads=256)
 
 
-def sched_barrier_arrive(enabled: bool, wg_idx):
-    """Hand the WGMMA issue slot to the other consumer warpgroup."""
+def sched_barrier_arrive(enabled: bool, wg_idx, num_wg: int = 2):
+    """Hand the WGMMA issue slot to the next consumer warpgroup of the ring of ``num_wg``."""
     if cutlass.const_expr(enabled):
-        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SchedWG1) + (1 - wg_idx), number_of_threads=256)
+        nxt = (wg_idx + 1) % num_wg
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SchedWG1) + nxt, number_of_threads=256)
