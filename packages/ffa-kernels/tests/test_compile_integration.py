@@ -9,12 +9,12 @@ same block on sm90 with FFA_BACKEND=cute: the CuTe kernels behind the same opera
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 
 import pytest
 import torch
-from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from ffa_kernels import (
@@ -25,7 +25,7 @@ from ffa_kernels import (
     _validate,
     flex_flash_attn_func,
 )
-from ffa_kernels.testing import dense_attention, dense_mask
+from ffa_kernels.testing import PackedBlock, dense_attention, dense_mask
 
 I32 = torch.int32
 
@@ -52,28 +52,6 @@ def _step_lengths(step: int, total: int = 48, docs: int = 3) -> list[int]:
     return [first, second, total - first - second][:docs]
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block over packed tokens: GQA attention (packed K/V views) + MLP."""
-
-    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
-        super().__init__()
-        self.h, self.hk, self.d = heads, kv_heads, head_dim
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.wq = nn.Linear(dim, heads * head_dim)
-        self.wkv = nn.Linear(dim, 2 * kv_heads * head_dim)
-        self.wo = nn.Linear(heads * head_dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, x, q_ranges=None, k_ranges=None, types=None, mask=None):
-        t = x.shape[0]
-        h = self.norm1(x)
-        q = self.wq(h).view(t, self.h, self.d)
-        kv = self.wkv(h).view(t, 2, self.hk, self.d)
-        o, _ = flex_flash_attn_func(q, kv[:, 0], kv[:, 1], q_ranges, k_ranges, types, mask=mask)
-        x = x + self.wo(o.reshape(t, -1))
-        return x + self.mlp(self.norm2(x))
-
-
 def _loss_and_grads(model, x, **kw):
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
@@ -90,7 +68,7 @@ def test_compiled_block_matches_eager_without_recompiles():
     """fullgraph inductor compile of attention + MLP, forward and backward, with a FlexMask whose
     document lengths change every step (same count): equal to eager, compiled once."""
     torch.manual_seed(0)
-    model = Block()
+    model = PackedBlock()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     for step in range(5):
@@ -109,7 +87,7 @@ def test_raw_ranges_compile_once_and_are_checked_when_run():
     """Raw range tensors under fullgraph compile: new values every step cost no recompile (the
     op checks them when it runs), and bad values still raise the eager ValueError."""
     torch.manual_seed(1)
-    model = Block()
+    model = PackedBlock()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     types_ = torch.tensor([CAUSAL, 0, CAUSAL], dtype=I32)
@@ -417,7 +395,8 @@ def test_compiled_block_on_sm90_runs_the_cute_kernels(monkeypatch):
     monkeypatch.setenv("FFA_BACKEND", "cute")
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = Block(dim=256, heads=4, kv_heads=2, head_dim=64).to(dev, torch.bfloat16)
+    model = PackedBlock(dim=256, heads=4, kv_heads=2, head_dim=64).to(dev, torch.bfloat16)
+    model32 = copy.deepcopy(model).float()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     total = 768
@@ -433,6 +412,15 @@ def test_compiled_block_on_sm90_runs_the_cute_kernels(monkeypatch):
         torch.cuda.current_stream().wait_stream(stream)
         ref_out, ref_grads = _loss_and_grads(model, x, mask=mask)
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, atol=5e-2, rtol=5e-2)
+        # bf16: inductor fuses the norms and the MLP with float32 intermediates where eager rounds
+        # each op, so the compiled gradients differ from eager's by bf16 rounding; measured
+        # against the float32 model, they must be as accurate as eager's.
+        monkeypatch.setenv("FFA_BACKEND", "reference")
+        _, exact_grads = _loss_and_grads(model32, x.float(), mask=mask)
+        monkeypatch.setenv("FFA_BACKEND", "cute")
+        for g, r, e in zip(grads, ref_grads, exact_grads):
+            err_c, err_e = (float((a.float() - e).norm() / e.norm()) for a in (g, r))
+            assert err_c <= 2 * err_e + 2e-3, (
+                f"gradient {tuple(g.shape)}: compiled {err_c:.3g}, eager {err_e:.3g}"
+            )
     assert counter.frame_count == 1

@@ -15,10 +15,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from . import _frontend
 from .reference import masks as _masks
 
 __all__ = [
+    "PackedBlock",
     "Problem",
     "block_causal_slices",
     "dense_attention",
@@ -289,3 +292,31 @@ def segment_id_slices(ids):
                 qr.append(a)
                 kr.append(b)
     return qr, kr, [0] * len(qr)
+
+
+class PackedBlock(nn.Module):
+    """A pre-norm transformer block over packed tokens: GQA attention (K/V as views of one packed
+    projection, the layout the kernels take in place) + MLP. Used by the torch.compile tests and
+    tools/bench_compile.py.
+
+    ``forward(x, q_ranges, k_ranges, types, mask=None)``: ``x`` is ``(T, dim)``; the mask is
+    either the three slice tensors or a ``FlexMask``; returns ``(T, dim)`` in ``x``'s dtype.
+    """
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 8):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, head_dim
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.wq = nn.Linear(dim, heads * head_dim)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * head_dim)
+        self.wo = nn.Linear(heads * head_dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x, q_ranges=None, k_ranges=None, types=None, mask=None):
+        t = x.shape[0]
+        h = self.norm1(x)
+        q = self.wq(h).view(t, self.h, self.d)
+        kv = self.wkv(h).view(t, 2, self.hk, self.d)
+        o, _ = _frontend.flex_flash_attn_func(q, kv[:, 0], kv[:, 1], q_ranges, k_ranges, types, mask=mask)
+        x = x + self.wo(o.reshape(t, -1))
+        return x + self.mlp(self.norm2(x))
