@@ -10,8 +10,10 @@ STAMP  := $(VENV)/.installed
 
 # CPU torch lies on disk (torch 2.13.0); where nvidia-smi exists, pip's default (CUDA) build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
-# triton: its interpreter runs the native comm kernels on the CPU in CI; mypy: `make lint`
-DEV_DEPS   := pytest pytest-xdist hypothesis ruff "mypy==2.4.*" setuptools wheel "matplotlib>=3.7" "triton==3.6.*"
+# triton: its interpreter runs the native comm kernels on the CPU in CI; mypy: `make lint`;
+# transformers: ffa-kernels' optional integration (attn_implementation="ffa") and its tests
+DEV_DEPS   := pytest pytest-xdist hypothesis ruff "mypy==2.4.*" setuptools wheel "matplotlib>=3.7" "triton==3.6.*" \
+              "transformers==5.24.*"
 
 .PHONY: venv test lint demo bench-solver clean
 
