@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import magi_comm.testing as lib
-from magi_comm.testing import native_sim
+from magi_comm.testing import native_sim, native_sim_reduce
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,6 @@ def test_fused_reduce_reads_pulled_rows_on_gpu(seed):
         dtype = rng.choice([torch.bfloat16, torch.float32, torch.float16, torch.float64])
         pull = frozenset(r for r in range(world) if rng.random() < 0.6)
         E = rng.choice([3, 8, 64, 1024])  # 16-byte rows and wider: vector loads at pull offsets
-        native_sim.check_fused_reduce(lay, 200, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5,
-                                      use_triton=True, E=E, waits=rng.random() < 0.3, pull_ranks=pull,
-                                      device="cuda")  # fmt: skip
+        native_sim_reduce.check_fused_reduce(lay, 200, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5,
+                                             use_triton=True, E=E, waits=rng.random() < 0.3, pull_ranks=pull,
+                                             device="cuda")  # fmt: skip

@@ -1,9 +1,10 @@
 """CPU tests of the native backend's pure parts: regions, rounds, copy tasks, blocks, growth.
 
-The transport of all ranks is simulated in-process (``magi_comm.testing.native_sim``) and compared with the
-oracle (cast) and with the a2av receive buffer (reduce, which the shared reduction then turns
-into bitwise identical results). When triton is installed the same simulation also runs the
-real copy kernel under ``TRITON_INTERPRET=1`` in a subprocess.
+The transport of all ranks is simulated in-process (``magi_comm.testing.native_sim``; the fused
+reduction: ``magi_comm.testing.native_sim_reduce``) and compared with the oracle (cast) and with
+the a2av receive buffer (reduce, which the shared reduction then turns into bitwise identical
+results). When triton is installed the same simulation also runs the real copy kernel under
+``TRITON_INTERPRET=1`` in a subprocess.
 """
 
 import importlib.util
@@ -38,7 +39,7 @@ from magi_comm.backends.native.layout import (
 )
 from magi_comm.backends.native.progress import arrival_order, recv_waits, reduce_waits, send_progress
 from magi_comm.backends.native.terms import build_reduce_terms
-from magi_comm.testing import native_sim
+from magi_comm.testing import native_sim, native_sim_reduce
 
 
 @settings(max_examples=80, deadline=None)
@@ -192,21 +193,21 @@ def test_registering_native_imports_no_gpu_stack():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize(
-    "entry",
+    ("module", "entry"),
     [
-        "main_triton",
-        "main_triton_reduce",
-        "main_triton_handshake",
-        "main_triton_overlap",
-        "main_triton_publish",
+        ("native_sim", "main_triton"),
+        ("native_sim_reduce", "main_triton_reduce"),
+        ("native_sim", "main_triton_handshake"),
+        ("native_sim", "main_triton_overlap"),
+        ("native_sim", "main_triton_publish"),
     ],
 )
-def test_kernel_under_triton_interpreter(entry):
+def test_kernel_under_triton_interpreter(module, entry):
     """The copy kernel (``main_triton``, its handshake, progress and publish steps) and the fused
     reduction (``main_triton_reduce``: also reading pulled rows in place and its DONE step) on
     CPU tensors under TRITON_INTERPRET=1, in a subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"from magi_comm.testing import native_sim; native_sim.{entry}()"
+    code = f"from magi_comm.testing import {module}; {module}.{entry}()"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
 
 
@@ -247,7 +248,7 @@ def test_fused_reduce_terms_match_oracle(world, seed, dtype, op, acc, pull_bits,
     publish_table: the receiver reads those rows in place)."""
     lay = lib.random_layout(random.Random(seed), world, max_splits=5, max_size=6)
     pull = frozenset(r for r in range(world) if pull_bits >> r & 1)
-    native_sim.check_fused_reduce(lay, 40, dtype, op, acc, E=E, pull_ranks=pull)
+    native_sim_reduce.check_fused_reduce(lay, 40, dtype, op, acc, E=E, pull_ranks=pull)
 
 
 def test_fused_reduce_terms_refuse_rounds():

@@ -3,8 +3,9 @@
 Part of the installed package (``magi_comm.testing``), so that spawned worker processes can
 import the worker function by name. The native backend's simulations live beside it:
 :mod:`magi_comm.testing.native_sim` (every rank's transport in one process, the kernels under
-the Triton interpreter) and :mod:`magi_comm.testing.native_fake` (the backend end to end with
-ranks as threads).
+the Triton interpreter), :mod:`magi_comm.testing.native_sim_reduce` (the fused reduction in that
+simulation) and :mod:`magi_comm.testing.native_fake` (the backend end to end with ranks as
+threads).
 
 A *layout* is the GLOBAL description of one group_cast: every rank's input splits with their
 destination sets, and every rank's output splits with their source, interleaved at random but

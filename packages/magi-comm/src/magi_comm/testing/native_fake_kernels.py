@@ -18,7 +18,7 @@ from magi_comm.backends.native import protocol as proto
 from magi_comm.backends.native.layout import apply_blocks
 from magi_comm.backends.native.terms import publish_row
 
-from . import native_sim
+from . import native_sim_reduce
 
 __all__ = [
     "TIMEOUT",
@@ -272,11 +272,11 @@ def launch_reduce(
     else:
         reg = out[:0]
     if pull is not None and nbytes:
-        reg, pulled = native_sim.pulled_region(reg.clone(), term_row, term_self, nterms, pull)
+        reg, pulled = native_sim_reduce.pulled_region(reg.clone(), term_row, term_self, nterms, pull)
         with world.cond:
             world.pulled_rows += pulled
     if out.shape[0] and E:
-        native_sim._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
+        native_sim_reduce._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
     if end is not None:
         _reduce_end(world, *end)
 
