@@ -1,9 +1,11 @@
 """Forward / training-step benchmark: FFA (CuTe DSL sm90) vs FlashAttention-4, cuDNN SDPA and
 FlexAttention.
 
-TFLOP/s are counted over the mask area: 4 * area * Hq * D per forward, 2.5x that per backward,
-3.5x per training step (forward + backward through autograd; backward = step - forward). Every
-library runs in this process on the same inputs. Usage (GPU machine):
+TFLOP/s are counted over the mask area: 2 * area * Hq * (D + Dv) per forward (4 * area * Hq * D
+where v's head dim Dv is D), 2.5x that per backward, 3.5x per training step (forward + backward
+through autograd; backward = step - forward). ``--head-dims 192/128`` (MLA: q/k 192, v 128) runs
+FFA's forward kernel; its backward runs on the reference (warned). Every library runs in this
+process on the same inputs. Usage (GPU machine):
 
     python tools/bench_ffa.py [--cases full8k,causal8k,...] [--iters 20] [--no-flex] [--check] [--bwd]
         [--lengths uniform,long-tailed,many-short,few-long-many-short,equal --totals 32768,131072]

@@ -257,6 +257,64 @@ def test_compile_every_variant(tmp_path, monkeypatch):
     print(f"{len(VARIANTS)} variants loaded from the disk cache in {time.perf_counter() - t0:.2f} s")
 
 
+# MLA (q/k head dim 192, v head dim 128): every epilogue and softcap in bf16, fp16 plain
+MLA_VARIANTS = [
+    *itertools.product((torch.bfloat16,), (False, True), (False, True)),
+    (torch.float16, False, False),
+]  # (dtype, softcap, accumulate)
+
+
+def test_compile_mla_variants(tmp_path, monkeypatch):
+    """The 192/128 forward compiles for sm_90a with no GPU in every epilogue, with the packed
+    launcher (its V / O row strides are their own arguments), and loads back from the disk cache."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import compile_cache, interface
+
+    cfg = default_config(192, 128)
+    for dt, softcap, acc in MLA_VARIANTS:
+        compile_cache.forget(interface.compile_key(dt, cfg, softcap, acc))
+        fn = interface.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
+        assert_packed_launch_equals_dsl(fn, dt, acc)
+    assert len(list(tmp_path.rglob("*.o"))) == len(MLA_VARIANTS)
+    compile_cache.forget()
+    import cutlass.cute
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("recompiled although the disk cache holds the kernel")
+
+    monkeypatch.setattr(cutlass.cute, "compile", no_compile)
+    for dt, softcap, acc in MLA_VARIANTS:
+        interface.get_kernel(dt, cfg, softcap, accumulate=acc, use_disk_cache=True)
+    compile_cache.forget()
+
+
+def test_mla_config_and_keys_of_existing_configs():
+    """default_config(192, 128): 128x128 tiles in the shared memory budget; head_dim_v defaults to
+    head_dim and leaves the configs of the other head dims, and their keys, as they were; pairs
+    the kernel does not serve are refused."""
+    from ffa_kernels.cute.config import SM90_SMEM_BYTES, FwdConfig
+
+    cfg = default_config(192, 128)
+    assert (cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_mma_wg) == (192, 128, 128, 128, 2)
+    # Q 48 KiB + 2 x (K 48 KiB + V 32 KiB), each buffer 1024-aligned after the barriers
+    assert cfg.smem_bytes() == 1024 + (48 + 2 * (48 + 32)) * 1024 <= SM90_SMEM_BYTES
+    assert cfg.key()[-1] == 128 and len(cfg.key()) == len(default_config(128).key()) + 1
+    assert default_config(128).key() == (128, 128, 128, 2, 2, 240, 24, True, True, 8.0)
+    assert default_config(64).key() == (64, 192, 128, 2, 3, 160, 32, True, True, 8.0)
+    assert default_config(256).key() == (256, 128, 80, 2, 2, 240, 24, True, True, 8.0)
+    for d in (64, 128, 256):
+        assert default_config(d).head_dim_v == d and default_config(d, d) == default_config(d)
+    assert FwdConfig(head_dim=128, head_dim_v=128) == FwdConfig(head_dim=128)
+    for d, dv in ((192, 192), (192, 0), (128, 64), (256, 128), (96, 96)):
+        with pytest.raises(AssertionError, match="head_dim"):
+            FwdConfig(head_dim=d, head_dim_v=dv)
+    with pytest.raises(AssertionError, match="shared memory"):
+        FwdConfig(head_dim=192, head_dim_v=128, tile_n=144)
+    with pytest.raises(AssertionError):
+        default_config(192)  # no 192 / 192 kernel (and not D 128's by accident)
+
+
 def test_compile_key_is_stable_and_separates_variants():
     pytest.importorskip("cutlass")
     from ffa_kernels.cute import interface
@@ -268,8 +326,9 @@ def test_compile_key_is_stable_and_separates_variants():
         interface.compile_key(torch.float16, default_config(128), False),
         interface.compile_key(torch.bfloat16, default_config(64), False),
         interface.compile_key(torch.bfloat16, default_config(128), True),
+        interface.compile_key(torch.bfloat16, default_config(192, 128), False),
     ]
-    assert len({k1, *others}) == 5
+    assert len({k1, *others}) == 6
     # typed: the fields say what each part is, and the backward's keys never collide with these
     from ffa_kernels.cute import bwd_interface
     from ffa_kernels.cute.compile_cache import CompileKey
@@ -281,7 +340,7 @@ def test_compile_key_is_stable_and_separates_variants():
         for store in (False, True)
         for det in (False, True)
     ]
-    assert len({k1, *others, *bwd}) == 9 and all(k.kernel == "ffa_bwd_sm90" for k in bwd)
+    assert len({k1, *others, *bwd}) == 10 and all(k.kernel == "ffa_bwd_sm90" for k in bwd)
     assert all(dict(k.flags)["deterministic"] == det for k, det in zip(bwd, (False, True) * 2))
 
 

@@ -91,14 +91,16 @@ def poison_allocator(nbytes: int):
 
 def run_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0,
-    sink_layout=None, max_logits=False, seed=0,
+    sink_layout=None, max_logits=False, seed=0, dv=None,
 ):  # fmt: skip
+    """cute_forward against the oracle; ``dv``: v's (and out's) head dim (None: d)."""
     from ffa_kernels.cute import cute_forward
 
+    dv = d if dv is None else dv
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(tk, hk, dv, device="cuda", dtype=dtype, generator=g)
     sink = None
     if sink_layout == "sh":
         sink = torch.randn(2, hq, device="cuda", generator=g)
@@ -118,7 +120,7 @@ def run_case(
     torch.cuda.synchronize()
     o64, l64, m64 = oracle(q, k, v, mask, scale, softcap, sink, sink_layout or "sh")
     olp, _, _ = oracle(q, k, v, mask, scale, softcap, sink, sink_layout or "sh", lowprec=True)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (tq, hq, dv) and out.dtype == q.dtype
     assert lse.shape == (tq, hq) and lse.dtype == torch.float32
     assert not torch.isnan(out).any(), "NaN in out"
     assert not torch.isnan(lse).any(), "NaN in lse"
@@ -264,7 +266,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_accumulate_case(
     calls, tq, tk, prior=None, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, max_logits=False,
-    poison_empty=False, seed=0,
+    poison_empty=False, seed=0, dv=None,
 ):  # fmt: skip
     """cute_forward_accumulate once per call, into one float32 accumulator, vs the float64 oracle.
 
@@ -272,15 +274,17 @@ def run_accumulate_case(
     the oracle result of these slices (a previous partial, computed elsewhere), else 0 / -inf.
     The cells of all slices together must be disjoint; their union is the oracle's mask.
     poison_empty: rows whose starting lse is -inf start with out = NaN (their out is ignored).
+    dv: v's (and out_acc's) head dim (None: d).
     Checks: rows covered by some call match the union's oracle with run_case's tolerance; rows
     covered by no call are bitwise untouched (out, lse); max_logits_acc is max-updated.
     """
     from ffa_kernels.cute import cute_forward_accumulate
 
+    dv = d if dv is None else dv
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(tk, hk, dv, device="cuda", dtype=dtype, generator=g)
     scale = d**-0.5
     all_slices = [s for c in ([prior] if prior else []) + list(calls) for s in zip(*c)]
     qa, ka, ta = ([list(s[i]) if i < 2 else s[i] for s in all_slices] for i in range(3))
@@ -292,7 +296,7 @@ def run_accumulate_case(
         lse_acc = pl.float().contiguous()
         ml_acc = pm.float().contiguous()
     else:
-        out_acc = torch.zeros(tq, hq, d, device="cuda", dtype=torch.float32)
+        out_acc = torch.zeros(tq, hq, dv, device="cuda", dtype=torch.float32)
         lse_acc = torch.full((tq, hq), float("-inf"), device="cuda", dtype=torch.float32)
         ml_acc = torch.full((hq,), float("-inf"), device="cuda", dtype=torch.float32)
     if poison_empty:
@@ -432,21 +436,23 @@ def test_accumulate_one_call_matches_cute_forward_and_empty_call():
 
 
 @requires_sm90
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["d128", "mla192_128"])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
-def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype):
+def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype, dims):
     """ffa_forward_stage on sm90 (FFA_BACKEND=cute: no silent fallback) over three key sets, then
     apply_sink, equals the one-call oracle with the sink; float32 accumulators are merged by the
-    kernel's epilogue, float64 ones by torch."""
+    kernel's epilogue, float64 ones by torch. dims: (q/k head dim, v head dim)."""
     from ffa_kernels import apply_sink, ffa_forward_stage
 
     monkeypatch.setenv("FFA_BACKEND", "cute")
-    tq, tk, hq, hk, d = 1000, 900, 8, 2, 128
+    tq, tk, hq, hk = 1000, 900, 8, 2
+    d, dv = dims
     calls = _three_key_sets(tq, tk, types=(1, 0, 3))
     q = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(tk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tk, hk, dv, device="cuda", dtype=torch.bfloat16)
     sink = torch.randn(2, hq, device="cuda")
-    out_acc = torch.zeros(tq, hq, d, device="cuda", dtype=acc_dtype)
+    out_acc = torch.zeros(tq, hq, dv, device="cuda", dtype=acc_dtype)
     lse_acc = torch.full((tq, hq), float("-inf"), device="cuda", dtype=acc_dtype)
     ml_acc = torch.full((hq,), float("-inf"), device="cuda", dtype=acc_dtype)
     for qr, kr, ty in calls:
@@ -549,6 +555,138 @@ def test_head_dim_256_training_step():
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     assert (out.double() - ref).abs().max() < 2e-2
     for g, r in zip(grads, ref_grads):
+        assert torch.isfinite(g).all() and (g.double() - r).abs().max() < 5e-2 * max(
+            1.0, r.abs().max().item()
+        )
+
+
+# ----------------------------------------------------------------------------- MLA: head dims 192 / 128
+MLA = dict(d=192, dv=128)  # q/k head dim 192, v (and out) head dim 128
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_full_and_causal(dtype):
+    run_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, dtype=dtype, **MLA)
+    run_case([[0, 700]], [[0, 900]], [1], 700, 900, dtype=dtype, **MLA)  # bottom-right causal, sq < sk
+    run_case([[0, 900]], [[0, 300]], [1], 900, 300, dtype=dtype, **MLA)  # sq > sk: first rows empty
+
+
+@requires_sm90
+@pytest.mark.parametrize("typ", [0, 1, 2, 3])
+def test_mla_varlen_each_type_and_uncovered_rows(typ):
+    qr, kr, ty, t = varlen_slices([1, 77, 128, 300, 129, 513], typ)
+    run_case(qr, kr, ty, t, t, **MLA)
+    # rows 0..99 and 400..511 uncovered: out = 0, lse = -inf (in poisoned memory)
+    run_case([[100, 400]], [[0, 256]], [typ], 512, 256, **MLA)
+
+
+@requires_sm90
+@pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (16, 16)])
+def test_mla_gqa_softcap_sink_and_max_logits(hq, hk):
+    qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
+    run_case(qr, kr, ty, t, t, hq=hq, hk=hk, **MLA)
+    run_case(qr, kr, ty, t, t, hq=hq, hk=hk, softcap=20.0, max_logits=True, **MLA)
+    run_case(qr, kr, ty, t, t, hq=hq, hk=hk, sink_layout="ssh", seed=1, **MLA)
+
+
+@requires_sm90
+@pytest.mark.parametrize("seed", range(3))
+def test_mla_random_slices(seed):
+    rng = random.Random(50 + seed)
+    tq, tk = rng.randrange(1, 1500), rng.randrange(1, 1500)
+    qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
+    run_case(qr, kr, ty, tq, tk, dtype=rng.choice([torch.bfloat16, torch.float16]), seed=seed, **MLA)
+
+
+@requires_sm90
+def test_mla_accumulate():
+    """The accumulate epilogue at 192 / 128: three key sets (rows no call covers stay bitwise
+    untouched), a prior partial with NaN in its empty rows, softcap + max_logits with GQA."""
+    run_accumulate_case(_three_key_sets(1200, 900), 1200, 900, **MLA)
+    calls = _three_key_sets(1100, 1000)
+    prior = ([[1050, 1100]], [[0, 1000]], [1])
+    run_accumulate_case(calls, 1100, 1000, prior=prior, poison_empty=True, dtype=torch.float16, **MLA)
+    calls = _three_key_sets(800, 700, types=(1, 0, 3))
+    run_accumulate_case(calls, 800, 700, softcap=20.0, max_logits=True, hq=8, hk=2, **MLA)
+
+
+@requires_sm90
+def test_mla_k_and_v_strides_read_in_place(monkeypatch):
+    """K and V with row strides of their own (a latent-style (Tk, 1, 192 + 128) tensor split
+    into K and V; V from a packed (Tk, 2, Hk, 128) pair next to a contiguous K) are read in
+    place and give bitwise the result of contiguous copies, in both epilogues."""
+    from ffa_kernels import ffa_forward, ffa_forward_stage
+
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    tq, tk, hq = 700, 900, 8
+    calls = _three_key_sets(tq, tk, types=(1, 0, 3))
+    slices = [s for c in calls for s in zip(*c)]
+    qr, kr, ty = (
+        torch.tensor([list(s[i]) if i < 2 else s[i] for s in slices], dtype=torch.int32, device="cuda")
+        for i in range(3)
+    )
+    q = torch.randn(tq, hq, 192, device="cuda", dtype=torch.bfloat16)
+    latent = torch.randn(tk, 1, 320, device="cuda", dtype=torch.bfloat16)
+    k2 = torch.randn(tk, 2, 192, device="cuda", dtype=torch.bfloat16)
+    vv = torch.randn(tk, 2, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for k, v in ((latent[..., :192], latent[..., 192:]), (k2, vv[:, 1])):
+        results = []
+        for kk, vk in ((k, v), (k.contiguous(), v.contiguous())):
+            out = torch.zeros(tq, hq, 128, device="cuda")
+            lse = torch.full((tq, hq), float("-inf"), device="cuda")
+            ffa_forward_stage(q, kk, vk, qr, kr, ty, out, lse)
+            poison_allocator(tq * hq * 128 * 2)
+            results.append((out, lse, *ffa_forward(q, kk, vk, qr, kr, ty)[:2]))
+        assert not torch.isnan(results[0][0]).any() and not torch.isnan(results[0][2]).any()
+        assert all(_bits_equal(a, b) for a, b in zip(*results))
+
+
+@requires_sm90
+def test_mla_training_step_forward_on_the_kernel_backward_on_the_reference(monkeypatch):
+    """flex_flash_attn_func at 192 / 128: the forward runs on the kernel (FFA_BACKEND=cute: no
+    fallback, which would raise; unset: no warning); the backward kernel does not serve it:
+    under FFA_BACKEND=cute that is a RuntimeError naming head_dim, unset it falls back to the
+    reference with one BackendFallbackWarning naming head_dim. Both against float64 autograd."""
+    import warnings
+
+    from ffa_kernels import BackendFallbackWarning, _backend, flex_flash_attn_func
+    from ffa_kernels.testing import dense_attention
+
+    torch.manual_seed(0)
+    qr, kr, ty, t = varlen_slices([300, 129, 400], 1)
+    q = torch.randn(t, 4, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, 2, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ranges = [torch.tensor(x, dtype=torch.int32, device="cuda") for x in (qr, kr, ty)]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = dense_attention(q64, k64, v64, qr, kr, ty)[0]
+    _backend.reset_cache()  # the warn-once memory
+
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BackendFallbackWarning)
+        out, _ = flex_flash_attn_func(q, k, v, *ranges)
+    assert out.shape == (t, 4, 128) and out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() < 2e-2
+    dout = torch.randn_like(out)
+    with pytest.raises(RuntimeError, match=r"FFA_BACKEND=cute, but .*head_dim: the sm90 backward"):
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    monkeypatch.delenv("FFA_BACKEND")
+    with warnings.catch_warnings(record=True) as fwd_record:
+        warnings.simplefilter("always")
+        out2, _ = flex_flash_attn_func(q, k, v, *ranges)
+    assert not [w for w in fwd_record if issubclass(w.category, BackendFallbackWarning)]
+    assert torch.equal(out2, out)
+    with warnings.catch_warnings(record=True) as bwd_record:
+        warnings.simplefilter("always")
+        grads = torch.autograd.grad(out2, (q, k, v), dout)
+    msgs = [str(w.message) for w in bwd_record if issubclass(w.category, BackendFallbackWarning)]
+    assert len(msgs) == 1 and "head_dim" in msgs[0] and "got 192" in msgs[0], msgs
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape
         assert torch.isfinite(g).all() and (g.double() - r).abs().max() < 5e-2 * max(
             1.0, r.abs().max().item()
         )

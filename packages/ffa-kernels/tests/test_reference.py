@@ -313,8 +313,9 @@ def test_stages_with_their_own_v_head_dim(split):
 
 
 def test_kernels_decline_their_own_v_head_dim():
-    """The sm90 kernels serve v's head dim equal to q's only: anything else is declined before
-    any launch (NotImplementedError, so that the frontend falls back to the reference)."""
+    """The sm90 kernels serve v's head dim equal to q's, and the forward also MLA's 192 / 128:
+    anything else is declined before any launch (NotImplementedError, so that the frontend
+    falls back to the reference); the backward of 192 / 128 is declined naming the head dim."""
     from ffa_kernels.cute.interface import kernel_scales
 
     q = torch.zeros(4, 2, 128, dtype=torch.bfloat16)
@@ -322,3 +323,11 @@ def test_kernels_decline_their_own_v_head_dim():
         assert kernel_scales(q, q, None, 0.0, what) == (128**-0.5, 0.0)
         with pytest.raises(NotImplementedError, match="v's head dim"):
             kernel_scales(q, torch.zeros(4, 2, 64, dtype=torch.bfloat16), None, 0.0, what)
+    q192, v128 = torch.zeros(4, 2, 192, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    assert kernel_scales(q192, v128, None, 0.0, "forward") == (192**-0.5, 0.0)
+    with pytest.raises(NotImplementedError, match=r"v's head dim 128 at q's head dim 192, got 192"):
+        kernel_scales(q192, q192, None, 0.0, "forward")
+    with pytest.raises(
+        NotImplementedError, match=r"head_dim: the sm90 backward supports \(64, 128\), got 192"
+    ):
+        kernel_scales(q192, v128, None, 0.0, "backward")

@@ -277,6 +277,30 @@ def test_kernel_reads_packed_kv_in_place():
     assert k.is_contiguous() and v.is_contiguous() and stride == 16
 
 
+def test_forward_reads_k_and_v_each_with_its_own_row_stride():
+    """The forward kernel takes K's and V's row strides apart: packed K/V views, MLA's K (192)
+    and V (128) with different strides, and a latent-style (Tk, 1, 192 + 128) tensor split into
+    K and V are all read in place; rows not 16 bytes apart are copied (nothing is launched)."""
+    from ffa_kernels.cute.interface import _rows_in_place
+
+    kv = torch.randn(10, 2, 2, 8).to(torch.bfloat16)
+    assert [(t.data_ptr(), s) for t, s in map(_rows_in_place, (kv[:, 0], kv[:, 1]))] == [
+        (kv.data_ptr(), 2 * 2 * 8),
+        (kv[:, 1].data_ptr(), 2 * 2 * 8),
+    ]
+    k, v = torch.randn(10, 2, 192).to(torch.bfloat16), torch.randn(10, 2, 128).to(torch.bfloat16)
+    assert _rows_in_place(k) == (k, 2 * 192) and _rows_in_place(v) == (v, 2 * 128)
+    latent = torch.randn(10, 1, 320).to(torch.bfloat16)
+    (k, ks), (v, vs) = _rows_in_place(latent[..., :192]), _rows_in_place(latent[..., 192:])
+    assert (k.data_ptr(), v.data_ptr(), ks, vs) == (latent.data_ptr(), latent.data_ptr() + 384, 320, 320)
+    odd = torch.randn(10, 36).to(torch.bfloat16)[:, :32].view(10, 2, 16)  # rows 72 bytes apart
+    t, stride = _rows_in_place(odd)
+    assert t.is_contiguous() and t.data_ptr() != odd.data_ptr() and stride == 32
+    heads_apart = torch.randn(10, 2, 2, 8).to(torch.bfloat16)[:, :, 0]  # heads 2*D apart
+    t, stride = _rows_in_place(heads_apart)
+    assert t.is_contiguous() and stride == 16
+
+
 def _grads_through_autograd(dout_of):
     """Gradients of flex_flash_attn_func's output with the output gradient ``dout_of(out)``
     (the same q, k, v every call)."""

@@ -11,6 +11,13 @@ from typing import Any, ClassVar
 # CTA order (schedule.py); the bits below are the forward's feature flags.
 HEAD_GROUP_SHIFT = 8
 
+# (q/k head dim, v/out head dim) pairs the forward kernel compiles for; (192, 128) is
+# DeepSeek-style MLA (v's head dim never exceeds q's: O reuses Q's shared memory)
+FWD_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+
+# dynamic shared memory one CTA may use on sm90 (227 KiB)
+SM90_SMEM_BYTES = 227 * 1024
+
 
 class _KernelConfig:
     """What every kernel config derives from its fields: thread count and compile-key part."""
@@ -34,7 +41,8 @@ class FwdConfig(_KernelConfig):
     """Static shape of one compiled forward kernel.
 
     Everything here is part of the JIT compile key; nothing here depends on the call's
-    sequence lengths, head counts or range contents (those are runtime values).
+    sequence lengths, head counts or range contents (those are runtime values). ``head_dim``
+    is q's and k's head dim (Q, K, S = Q K^T), ``head_dim_v`` v's and out's (V, O = P V).
     """
 
     head_dim: int = 128
@@ -47,29 +55,65 @@ class FwdConfig(_KernelConfig):
     intra_wg_overlap: bool = True  # overlap QK^T of block j with PV of block j-1
     pingpong: bool = True  # named-barrier ping-pong between the consumer warpgroups (with overlap)
     rescale_threshold: float = 8.0  # lazy rescaling: keep a stale row max up to 2**thr (log2 units)
+    # v's (and out's) head dim; 0: the same as head_dim (set to it in __post_init__). Last, so
+    # that positional fields keep their places; left out of key() when equal to head_dim.
+    head_dim_v: int = 0
 
     def __post_init__(self) -> None:
-        assert self.head_dim in (64, 128, 256), "head_dim must be 64, 128 or 256"
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)  # frozen: the one normalisation
+        assert (self.head_dim, self.head_dim_v) in FWD_HEAD_DIMS, (
+            f"(head_dim, head_dim_v) must be one of {FWD_HEAD_DIMS}, got {(self.head_dim, self.head_dim_v)}"
+        )
         assert self.num_mma_wg in (2, 3), "2 or 3 consumer warpgroups (the ping-pong ring has 3 barriers)"
         assert self.tile_m == 64 * self.num_mma_wg
         assert self.tile_n % 16 == 0 and self.tile_n <= 256
         assert self.num_stages >= 2
+        assert self.smem_bytes() <= SM90_SMEM_BYTES, (
+            f"Q + {self.num_stages} stages of K and V need {self.smem_bytes()} bytes of shared memory, "
+            f"more than {SM90_SMEM_BYTES}"
+        )
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Shared memory of the kernel's storage: the pipelines' barriers, then Q, the K stages and
+        the V stages, each 1024-byte aligned (O reuses Q's buffer: head_dim_v <= head_dim)."""
+        used = 8 * (2 + 4 * self.num_stages)  # mbarriers: Q (full, empty), K and V (2 per stage)
+        for rows, cols, copies in (
+            (self.tile_m, self.head_dim, 1),
+            (self.tile_n, self.head_dim, self.num_stages),
+            (self.tile_n, self.head_dim_v, self.num_stages),
+        ):
+            used = -(-used // 1024) * 1024 + rows * cols * copies * elem_bytes
+        return used
+
+    def key(self) -> tuple:
+        """Every field, in order; head_dim_v only where it differs from head_dim (the keys of
+        the configs that predate it stay as they were)."""
+        fields = dataclasses.astuple(self)
+        return fields if self.head_dim_v != self.head_dim else fields[:-1]
 
 
 @functools.cache
-def default_config(head_dim: int) -> FwdConfig:
+def default_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig:
     """FA3-style choice: 128x128 tiles, 2 consumer warpgroups; hdim 64 takes 192 q rows in 3
     consumer warpgroups (its GEMMs are half as long, so a third warpgroup's softmax hides more of
     them; 3 x 128 threads at 160 registers and the producer at 32 fill the register file);
     hdim 256 takes 80 keys per stage (Q 64 KiB + 2 stages of K and V at 40 KiB each fit the
-    227 KiB of shared memory; the O accumulator alone holds 128 registers per thread)."""
+    227 KiB of shared memory; the O accumulator alone holds 128 registers per thread).
+    MLA's 192 / 128 (``head_dim_v``: v's head dim, None: head_dim) keeps 128x128 tiles, as FA3
+    does: Q 48 KiB + 2 stages of K (48 KiB) and V (32 KiB) = 208 KiB of shared memory (209 with
+    the barriers' aligned block; 144 keys would need 227.5), and the registers of D 128 (S and
+    O accumulators at 64 each per thread; ptxas reports no spills)."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return FwdConfig(head_dim=head_dim, head_dim_v=head_dim_v, tile_m=128, tile_n=128, num_stages=2)
     if head_dim == 64:
         return FwdConfig(
             head_dim=64, tile_m=192, tile_n=128, num_stages=2, num_mma_wg=3, mma_regs=160, producer_regs=32
         )
     if head_dim == 256:
         return FwdConfig(head_dim=256, tile_m=128, tile_n=80, num_stages=2)
-    return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
+    # 128 (any other head dim fails FwdConfig's check rather than getting D 128's kernel)
+    return FwdConfig(head_dim=head_dim, tile_m=128, tile_n=128, num_stages=2)
 
 
 @dataclass(frozen=True)

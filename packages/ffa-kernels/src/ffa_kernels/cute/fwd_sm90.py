@@ -10,12 +10,16 @@ With ``intra_wg_overlap`` the S GEMM of block j is in flight together with the P
 block j-1 while the softmax of block j runs; with ``pingpong`` the two consumer warpgroups
 take turns issuing GEMMs (named barriers), so one's softmax overlaps the other's GEMMs.
 
+Q, K and S = Q K^T have head dim D (``cfg.head_dim``); V, the PV GEMM and O have head dim Dv
+(``cfg.head_dim_v``: D, or 128 at MLA's D = 192). One code path serves both.
+
 One CTA per (work tile, head); the plan (tile_plan.py) lists per work tile its entries
 (slice pieces) and the K/V blocks they need; blocks fully inside a slice skip masking,
 partial ones get the band mask, empty ones are never planned (never loaded).
 
 Two epilogues, chosen at compile time (``accumulate``):
-  normal      O in q.dtype through shared memory and one TMA store per tile, lse f32; every
+  normal      O in q.dtype through shared memory (Q's buffer, in O's own (tile_m, Dv) layout)
+              and one TMA store per tile, lse f32; every
               row of every q tile is written (uncovered rows: out = 0, lse = -inf);
   accumulate  O and lse are a float32 partial result already in global memory (out normalised,
               lse natural log). Each consumer thread reads its own fragment rows/columns,
@@ -55,8 +59,8 @@ FLAG_MAX_LOGITS = 2
 class FFAForwardSm90:
     """One compiled kernel per (dtype, FwdConfig, softcap on/off, accumulate on/off).
 
-    accumulate=False: ``ptr_o`` is the (Tq, Hq, D) output in ``dtype``, ``ptr_lse`` the f32 lse,
-    both written for every row. accumulate=True: ``ptr_o`` is a float32 (Tq, Hq, D) and
+    accumulate=False: ``ptr_o`` is the (Tq, Hq, Dv) output in ``dtype``, ``ptr_lse`` the f32 lse,
+    both written for every row. accumulate=True: ``ptr_o`` is a float32 (Tq, Hq, Dv) and
     ``ptr_lse`` a float32 (Tq, Hq) accumulator, read and merged in place; no sink.
     """
 
@@ -66,15 +70,16 @@ class FFAForwardSm90:
         self.has_softcap = has_softcap
         self.accumulate = accumulate
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        self.hdim_v = cfg.head_dim_v  # V, O and the PV GEMM's N (self.hdim: Q, K and the QK^T GEMM's K)
 
     # ------------------------------------------------------------------ host side (traced)
     @cute.jit
     def __call__(
         self,
         ptr_q: cute.Pointer,  # (Tq, Hq, D) contiguous
-        ptr_k: cute.Pointer,  # (Tk, Hk, D), rows kv_row_stride elements apart, heads contiguous
-        ptr_v: cute.Pointer,  # (Tk, Hk, D), the same strides as K
-        ptr_o: cute.Pointer,  # (Tq, Hq, D) contiguous; dtype (normal) or f32 accumulator (accumulate)
+        ptr_k: cute.Pointer,  # (Tk, Hk, D), rows k_row_stride elements apart, heads contiguous
+        ptr_v: cute.Pointer,  # (Tk, Hk, Dv), rows v_row_stride elements apart, heads contiguous
+        ptr_o: cute.Pointer,  # (Tq, Hq, Dv) contiguous; dtype (normal) or f32 accumulator (accumulate)
         ptr_lse: cute.Pointer,  # (Tq, Hq) f32 (accumulate: read and merged in place)
         ptr_work: cute.Pointer,  # (W, 4) i32
         ptr_ent: cute.Pointer,  # (E, 8) i32
@@ -86,20 +91,22 @@ class FFAForwardSm90:
         num_heads_k: Int32,
         num_work: Int32,
         num_entries: Int32,
-        kv_row_stride: Int32,  # elements between K (and V) rows: Hk * D, or more for packed K/V
+        k_row_stride: Int32,  # elements between K rows: Hk * D, or more for packed K/V
+        v_row_stride: Int32,  # elements between V rows: Hk * Dv, or more for packed K/V
         scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
         softmax_scale: Float32,
         flags: Int32,
         stream: cuda.CUstream,
     ):
-        D = self.hdim
+        D, Dv = self.hdim, self.hdim_v
         hq64 = cutlass.Int64(num_heads_q)
-        kv64 = cutlass.Int64(kv_row_stride)
+        k64 = cutlass.Int64(k_row_stride)
+        v64 = cutlass.Int64(v_row_stride)
         mQ = cute.make_tensor(ptr_q, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
-        mK = cute.make_tensor(ptr_k, cute.make_layout((total_k, num_heads_k, D), stride=(kv64, D, 1)))
-        mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, D), stride=(kv64, D, 1)))
-        mO = cute.make_tensor(ptr_o, cute.make_layout((total_q, num_heads_q, D), stride=(hq64 * D, D, 1)))
+        mK = cute.make_tensor(ptr_k, cute.make_layout((total_k, num_heads_k, D), stride=(k64, D, 1)))
+        mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, Dv), stride=(v64, Dv, 1)))
+        mO = cute.make_tensor(ptr_o, cute.make_layout((total_q, num_heads_q, Dv), stride=(hq64 * Dv, Dv, 1)))
         mLSE = cute.make_tensor(ptr_lse, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
         mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
         mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
@@ -114,19 +121,23 @@ class FFAForwardSm90:
 
         tiled_mma_qk = tiled_wgmma(self.dtype, (cfg.num_mma_wg, 1, 1), (64, self.tile_n))
         tiled_mma_pv = tiled_wgmma(
-            self.dtype, (cfg.num_mma_wg, 1, 1), (64, self.hdim), b_transposed=True, a_in_registers=True
+            self.dtype, (cfg.num_mma_wg, 1, 1), (64, Dv), b_transposed=True, a_in_registers=True
         )
-        sQ_layout = smem_layout(self.dtype, self.tile_m, self.hdim, None)
-        sK_layout = smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
-        sV_layout = smem_layout(self.dtype, self.tile_n, self.hdim, cfg.num_stages)
+        sQ_layout = smem_layout(self.dtype, self.tile_m, D, None)
+        sK_layout = smem_layout(self.dtype, self.tile_n, D, cfg.num_stages)
+        sV_layout = smem_layout(self.dtype, self.tile_n, Dv, cfg.num_stages)
+        # O goes out through Q's buffer in its own layout (Dv <= D columns: it fits). Both tile
+        # the rows first in swizzle atoms of the same width (64 columns at Dv, D in 64, 128,
+        # 192, 256), so the O rows of a warpgroup land only on its own Q rows (epilogue_store).
+        sO_layout = smem_layout(self.dtype, self.tile_m, Dv, None)
 
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, self.hdim))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, D))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-            op, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1
+            op, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D), 1
         )
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-            op, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdim), 1
+            op, mVt, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, Dv), 1
         )
         if cutlass.const_expr(self.accumulate):
             # no TMA store: the epilogue reads and writes the f32 accumulator directly
@@ -135,11 +146,12 @@ class FFAForwardSm90:
         else:
             mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
             tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mOt, sQ_layout, (self.tile_m, self.hdim)
+                cpasync.CopyBulkTensorTileS2GOp(), mOt, sO_layout, (self.tile_m, Dv)
             )
         elem_bytes = self.dtype.width // 8
-        self.bytes_q = self.tile_m * self.hdim * elem_bytes
-        self.bytes_kv = self.tile_n * self.hdim * elem_bytes
+        self.bytes_q = self.tile_m * D * elem_bytes
+        self.bytes_k = self.tile_n * D * elem_bytes
+        self.bytes_v = self.tile_n * Dv * elem_bytes
 
         @cute.struct
         class SharedStorage:
@@ -168,6 +180,7 @@ class FFAForwardSm90:
             sQ_layout,
             sK_layout,
             sV_layout,
+            sO_layout,
             tiled_mma_qk,
             tiled_mma_pv,
             scale_log2,
@@ -205,6 +218,7 @@ class FFAForwardSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         scale_log2: Float32,
@@ -228,12 +242,13 @@ class FFAForwardSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        pipe_q, pipe_k, pipe_v = make_tma_pipelines(storage, cfg, self.bytes_q, self.bytes_kv, self.bytes_kv)
+        pipe_q, pipe_k, pipe_v = make_tma_pipelines(storage, cfg, self.bytes_q, self.bytes_k, self.bytes_v)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # Q's buffer, O's layout
 
         w, head = cta_work_and_head(flags, num_work, num_heads)
         m0 = mWork[w, 0]
@@ -254,7 +269,7 @@ class FFAForwardSm90:
         else:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
-                tidx - 128, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                tidx - 128, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                 tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
                 scale_log2, score_premul, softmax_scale, flags,
             )  # fmt: skip
@@ -283,7 +298,7 @@ class FFAForwardSm90:
                           pipe_q.producer_get_barrier(q_state))  # fmt: skip
             if cutlass.const_expr(not cfg.intra_wg_overlap):
                 pipe_v.producer_acquire(v_state)
-                tma_load_rows(tma_atom_v, gV, kb, self.tile_n, self.hdim, sV, v_state.index,
+                tma_load_rows(tma_atom_v, gV, kb, self.tile_n, self.hdim_v, sV, v_state.index,
                               pipe_v.producer_get_barrier(v_state))  # fmt: skip
                 v_state.advance()
             kb_prev = kb
@@ -301,14 +316,14 @@ class FFAForwardSm90:
                     if cutlass.const_expr(not cfg.intra_wg_overlap):
                         vb = kb
                     pipe_v.producer_acquire(v_state)
-                    tma_load_rows(tma_atom_v, gV, vb, self.tile_n, self.hdim, sV, v_state.index,
+                    tma_load_rows(tma_atom_v, gV, vb, self.tile_n, self.hdim_v, sV, v_state.index,
                                   pipe_v.producer_get_barrier(v_state))  # fmt: skip
                     v_state.advance()
                     kb_prev = kb
                 j_start = Int32(0)
             if cutlass.const_expr(cfg.intra_wg_overlap):
                 pipe_v.producer_acquire(v_state)
-                tma_load_rows(tma_atom_v, gV, kb_prev, self.tile_n, self.hdim, sV, v_state.index,
+                tma_load_rows(tma_atom_v, gV, kb_prev, self.tile_n, self.hdim_v, sV, v_state.index,
                               pipe_v.producer_get_barrier(v_state))  # fmt: skip
                 v_state.advance()
 
@@ -399,7 +414,7 @@ class FFAForwardSm90:
 
     @cute.jit
     def consumer(
-        self, ctid, sQ, sK, sV, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+        self, ctid, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
         tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
         scale_log2, score_premul, softmax_scale, flags,
     ):  # fmt: skip
@@ -413,7 +428,7 @@ class FFAForwardSm90:
         sVt = smem_transpose(sV)
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.hdim)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.hdim_v)), Float32)
         acc_O.fill(0.0)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
 
@@ -499,20 +514,20 @@ class FFAForwardSm90:
                 )  # fmt: skip
         else:
             self.epilogue_store(
-                ctid, sQ, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+                ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
                 mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
             )  # fmt: skip
 
     @cute.jit
     def epilogue_store(
-        self, ctid, sQ, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+        self, ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
         mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
     ):  # fmt: skip
         """Normal epilogue: O (dtype) via smem + TMA store, lse f32; every row of the tile."""
         cfg = self.cfg
         num_rows = cute.size(row_max)
         thr_mma_pv = tiled_mma_pv.get_slice(ctid)
-        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         total_q = mLSE.shape[0]
         sink_lse = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
@@ -528,10 +543,9 @@ class FFAForwardSm90:
         rescale_rows(acc_O, row_inv)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # O: registers -> smem (reusing Q's buffer: each warpgroup only overwrites its own 64 Q
-        # rows, which its own last GEMM has finished reading) -> one TMA store of the tile.
-        # Every row of the tile belongs to this work tile; rows past Tq are clipped by TMA.
-        sO = sQ
+        # O: registers -> smem (sO: Q's buffer in O's layout; each warpgroup only overwrites its
+        # own 64 Q rows, which its own last GEMM has finished reading) -> one TMA store of the
+        # tile. Every row of the tile belongs to this work tile; rows past Tq are clipped by TMA.
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
         )
@@ -541,7 +555,7 @@ class FFAForwardSm90:
         cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
         if ctid < 32:
             gO = cute.local_tile(
-                cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim), (0, 0)
+                cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim_v), (0, 0)
             )
             s_part, g_part = cpasync.tma_partition(
                 tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
@@ -580,7 +594,7 @@ class FFAForwardSm90:
     ):  # fmt: skip
         """Accumulate epilogue: merge this tile's result into float32 (out_acc, lse_acc) in place.
 
-        mO: f32 (Tq, Hq, D), mLSE: f32 (Tq, Hq). Per row (o2, l2 = this call, o1, l1 = stored):
+        mO: f32 (Tq, Hq, Dv), mLSE: f32 (Tq, Hq). Per row (o2, l2 = this call, o1, l1 = stored):
         l = logaddexp(l1, l2), o = exp(l1 - l) * o1 + exp(l2 - l) * o2. l2 = -inf (row not
         covered by this call) writes nothing; l1 = -inf takes (o2, l2) as they are (whatever o1
         holds). Each thread reads and writes only its own fragment elements; the 4 threads of a
@@ -589,9 +603,9 @@ class FFAForwardSm90:
         num_rows = cute.size(row_max)
         total_q = mLSE.shape[0]
         thr_mma_pv = tiled_mma_pv.get_slice(ctid)
-        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim))))
+        tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         gO = cute.local_tile(
-            cute.domain_offset((m0, 0), mO[None, head, None]), (self.tile_m, self.hdim), (0, 0)
+            cute.domain_offset((m0, 0), mO[None, head, None]), (self.tile_m, self.hdim_v), (0, 0)
         )
         tOgO = acc_rows_cols(thr_mma_pv.partition_C(gO))
         no_sink = cute.make_rmem_tensor(num_rows, Float32)
@@ -629,7 +643,7 @@ class FFAForwardSm90:
                         w2 = cute.math.exp2((l2 - l_new) * LOG2_E, fastmath=True)
                     keep_old = l1 != -Float32.inf
                     # this row's columns: ((2, V, N)), pairs of adjacent columns at even offsets;
-                    # out_acc is 16-byte aligned and D is even, so every pair is 8-byte aligned
+                    # out_acc is 16-byte aligned and Dv is even, so every pair is 8-byte aligned
                     g_row = tOgO[r, None]
                     g_ptr = cute.make_ptr(
                         Float32, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=8

@@ -12,7 +12,7 @@ import torch
 from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
-from .config import HEAD_GROUP_SHIFT, FwdConfig, default_config
+from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, make_launcher
 from .tile_plan import get_plan
 
@@ -53,7 +53,8 @@ def get_kernel(
         "ffa_fwd_",
         build,
         lambda: _compile_args(torch_dtype, accumulate),
-        f"sm90 forward (dtype={torch_dtype}, hdim={cfg.head_dim}, softcap={has_softcap}, accumulate={accumulate})",
+        f"sm90 forward (dtype={torch_dtype}, hdim={cfg.head_dim}, hdim_v={cfg.head_dim_v}, "
+        f"softcap={has_softcap}, accumulate={accumulate})",
         use_disk_cache=use_disk_cache,
     )
 
@@ -71,9 +72,12 @@ def l2_head_group(unit_bytes: int, heads_per_unit: int, hq: int, override: int |
     return int(max(1, min(hq, g, (1 << 23) - 1)))
 
 
-def head_group_size(total_k: int, hq: int, hk: int, d: int, elem: int, override: int | None = None) -> int:
-    """The forward's head group: the q heads of whole kv heads whose K and V stay in L2."""
-    return l2_head_group(2 * total_k * d * elem, hq // hk, hq, override)
+def head_group_size(
+    total_k: int, hq: int, hk: int, d: int, dv: int, elem: int, override: int | None = None
+) -> int:
+    """The forward's head group: the q heads of whole kv heads whose K (head dim ``d``) and V
+    (``dv``) stay in L2."""
+    return l2_head_group(total_k * (d + dv) * elem, hq // hk, hq, override)
 
 
 def score_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -121,8 +125,12 @@ def _runtime() -> _Runtime:
     return _RT
 
 
-# head dims each sm90 kernel serves (the frontend falls back to the reference for the others)
-SUPPORTED_HEAD_DIMS = {"forward": (64, 128, 256), "backward": (64, 128)}
+# (q/k head dim, v head dim) pairs each sm90 kernel serves (the frontend falls back to the
+# reference for the others): the forward also MLA's 192 / 128, the backward only Dv == D
+SUPPORTED_HEAD_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
+    "forward": FWD_HEAD_DIMS,
+    "backward": ((64, 64), (128, 128)),
+}
 
 
 def kernel_scales(
@@ -132,13 +140,17 @@ def kernel_scales(
     after the checks every sm90 kernel shares. "Unsupported" is said (NotImplementedError, naming
     ``what``: "forward" or "backward") before anything runs: the frontend then serves the call
     from the reference backend."""
-    d = q.shape[-1]
-    dims = SUPPORTED_HEAD_DIMS[what]
-    if d not in dims:
-        raise NotImplementedError(f"head_dim: the sm90 {what} supports {dims}, got {d}")
-    if v.shape[-1] != d:
+    d, dv = q.shape[-1], v.shape[-1]
+    pairs = SUPPORTED_HEAD_DIMS[what]
+    if (d, dv) not in pairs:
+        dims = tuple(sorted({p[0] for p in pairs}))
+        if d not in dims:
+            raise NotImplementedError(f"head_dim: the sm90 {what} supports {dims}, got {d}")
+        dvs = tuple(p[1] for p in pairs if p[0] == d)
+        same = " (equal to q's)" if dvs == (d,) else ""
         raise NotImplementedError(
-            f"head_dim: the sm90 {what} needs v's head dim equal to q's, got {v.shape[-1]} and {d}"
+            f"head_dim: the sm90 {what} needs v's head dim {' or '.join(map(str, dvs))}{same} "
+            f"at q's head dim {d}, got {dv}"
         )
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q: the sm90 {what} supports bfloat16 and float16, got {q.dtype}")
@@ -152,7 +164,15 @@ def _prepare(
 ):
     """Checks and settings both forward entry points share: (runtime, config, softmax_scale, softcap)."""
     softmax_scale, softcap = kernel_scales(q, v, softmax_scale, softcap, "forward")
-    return _runtime(), config or default_config(q.shape[-1]), softmax_scale, softcap
+    d, dv = q.shape[-1], v.shape[-1]
+    if config is None:
+        config = default_config(d, dv)
+    elif (config.head_dim, config.head_dim_v) != (d, dv):
+        raise ValueError(
+            f"config: compiled for head dims ({config.head_dim}, {config.head_dim_v}), "
+            f"but q and v have ({d}, {dv})"
+        )
+    return _runtime(), config, softmax_scale, softcap
 
 
 def accumulators_fit(
@@ -179,6 +199,22 @@ def _check_accumulator(name: str, t: torch.Tensor, shape: tuple, device) -> None
 def _aligned16(t: torch.Tensor) -> torch.Tensor:
     # TMA and the compiled kernel assume 16-byte aligned bases
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(t, row stride in elements)`` as the forward kernel reads K or V: dense rows
+    (`has_dense_rows`) a multiple of 16 bytes apart and a 16-byte aligned base are read in place
+    (packed K/V views among them), anything else is copied to a contiguous tensor first. K and
+    V are taken each on its own (their row strides are separate kernel arguments)."""
+    stride = t.stride(0)
+    if (
+        has_dense_rows(t)
+        and stride < 2**31
+        and stride * t.element_size() % 16 == 0
+        and t.data_ptr() % 16 == 0
+    ):
+        return t, stride
+    return _aligned16(t.contiguous()), t.shape[1] * t.shape[2]
 
 
 def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -210,16 +246,17 @@ def _launch(
     has_softcap = softcap > 0.0
     fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate)
     q = _aligned16(q)
-    k, v, kv_row_stride = _kv_rows(k, v)
+    k, k_row_stride = _rows_in_place(k)
+    v, v_row_stride = _rows_in_place(v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
-    flags |= head_group_size(total_k, hq, hk, d, q.element_size(), head_group) << HEAD_GROUP_SHIFT
+    flags |= head_group_size(total_k, hq, hk, d, v.shape[2], q.element_size(), head_group) << HEAD_GROUP_SHIFT
     fn(
         (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             plan.work.data_ptr(), plan.entries.data_ptr(),
             (sink_lse if sink_lse is not None else out).data_ptr(),
             (max_logits if max_logits is not None else lse).data_ptr(),
-            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride,
+            total_q, total_k, hq, hk, plan.num_work, plan.num_entries, k_row_stride, v_row_stride,
             scale_log2, premul, softmax_scale, flags,
             torch.cuda.current_stream(q.device).cuda_stream,
         )
@@ -242,12 +279,14 @@ def cute_forward(
     config: FwdConfig | None = None,
     head_group: int | None = None,
 ):
-    """sm90 CuTe DSL forward. Returns (out (Tq,Hq,D) q.dtype, lse f32 (Tq,Hq), max_logits f32 (Hq,) | None)."""
+    """sm90 CuTe DSL forward. q (Tq,Hq,D), k (Tk,Hk,D), v (Tk,Hk,Dv) with (D, Dv) one of
+    ``SUPPORTED_HEAD_DIMS["forward"]``. Returns (out (Tq,Hq,Dv) q.dtype, lse f32 (Tq,Hq),
+    max_logits f32 (Hq,) | None)."""
     rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, _ = q.shape
     total_k = k.shape[0]
     dev = q.device
-    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    out = torch.empty(total_q, hq, v.shape[2], dtype=q.dtype, device=dev)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=dev)
     sink_lse = _sink_lse(sink, sink_layout, total_q, hq, dev)
     max_logits = (
@@ -302,10 +341,11 @@ def cute_forward_accumulate(
 ):
     """sm90 CuTe DSL forward that merges its result into a float32 accumulator in place.
 
-    q: (Tq, Hq, D), k/v: (Tk, Hk, D), bf16 or fp16, Hq % Hk == 0, D in (64, 128, 256).
+    q: (Tq, Hq, D), k: (Tk, Hk, D), v: (Tk, Hk, Dv), bf16 or fp16, Hq % Hk == 0, (D, Dv) in
+    (64, 64), (128, 128), (256, 256), (192, 128).
     q_ranges/k_ranges: int32 (N, 2), attn_type_map: int32 (N,) or None (all FULL), as in
     ``cute_forward``. The slices of one call must not cover a cell twice.
-    out_acc: float32 (Tq, Hq, D), contiguous, 16-byte aligned; lse_acc: float32 (Tq, Hq),
+    out_acc: float32 (Tq, Hq, Dv), contiguous, 16-byte aligned; lse_acc: float32 (Tq, Hq),
     contiguous: a previous partial result (out normalised, lse natural log; rows with
     lse = -inf hold out = 0, though their out is ignored and may hold anything).
     max_logits_acc: float32 (Hq,) or None; max-updated with this call's softmax_scale * q.k max.
@@ -317,10 +357,10 @@ def cute_forward_accumulate(
     one call over their union. Returns (out_acc, lse_acc), the same tensors.
     """
     rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
-    total_q, hq, d = q.shape
+    total_q, hq, _ = q.shape
     total_k = k.shape[0]
     dev = q.device
-    _check_accumulator("out_acc", out_acc, (total_q, hq, d), dev)
+    _check_accumulator("out_acc", out_acc, (total_q, hq, v.shape[2]), dev)
     _check_accumulator("lse_acc", lse_acc, (total_q, hq), dev)
     if max_logits_acc is not None:
         _check_accumulator("max_logits_acc", max_logits_acc, (hq,), dev)

@@ -1,6 +1,6 @@
 """The forward kernel's argument list, and the per-call host path that feeds it.
 
-The compiled kernel takes 21 arguments: 9 global-memory pointers, 7 int32 sizes, 3 float32
+The compiled kernel takes 22 arguments: 9 global-memory pointers, 8 int32 sizes, 3 float32
 scales, an int32 flag word and a CUDA stream. ``ARG_SPEC`` names their kinds once; the compile
 placeholders and both launchers below are derived from it.
 
@@ -34,8 +34,8 @@ def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
     element is "in" (the q/k/v dtype), "f32" or "i32".
 
     Order: pointers q, k, v, out, lse, work, entries, sink_lse, max_logits; int32 total_q,
-    total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride; float32 scale_log2, score_premul,
-    softmax_scale; int32 flags; the stream.
+    total_k, heads_q, heads_k, num_work, num_entries, k_row_stride, v_row_stride; float32
+    scale_log2, score_premul, softmax_scale; int32 flags; the stream.
     accumulate: out is the float32 accumulator, and lse / max_logits are the caller's tensors,
     only assumed 4-byte aligned.
     """
@@ -51,7 +51,7 @@ def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
         ("ptr", "f32", 16),
         ("ptr", "f32", align["max_logits_acc"]),
     ]
-    scalars = [("i32", "", 0)] * 7 + [("f32", "", 0)] * 3 + [("i32", "", 0)]
+    scalars = [("i32", "", 0)] * 8 + [("f32", "", 0)] * 3 + [("i32", "", 0)]
     return ptrs + scalars + [("stream", "", 0)]
 
 
