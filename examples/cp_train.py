@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import random
 import sys
-import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -48,6 +46,9 @@ import magi_dist as md
 from ffa_kernels import flex_flash_attn_func
 from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig, masks
 from magi_solver.cli import report
+
+# --spawn: seconds before the started ranks count as hung (run_ranks kills them)
+SPAWN_TIMEOUT_S = 900.0
 
 
 class Attention(nn.Module):
@@ -364,28 +365,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
 
 
-def _spawned(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    try:
-        result = run(rank, world, args)
-        if rank == 0:
-            torch.save(result, out)
-        dist.barrier()  # leave together (see magi_dist.testing)
-    finally:
-        from magi_comm import close_default_collectives
-
-        md.clear_cache()
-        close_default_collectives()
-        dist.destroy_process_group()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -425,12 +404,10 @@ def _write_result(result: dict, path: str | None) -> None:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     if args.spawn:
-        import torch.multiprocessing as mp
+        from magi_dist.testing import run_ranks
 
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.pt")
-            mp.spawn(_spawned, args=(args.spawn, os.path.join(tmp, "store"), args, out), nprocs=args.spawn)
-            result = torch.load(out)
+        # CPU gloo ranks started here (a rank that fails or hangs fails the run, with its stack)
+        result = run_ranks(args.spawn, run, args, timeout=SPAWN_TIMEOUT_S)[0]
         _write_result(result, args.result)
         if args.check and not result["ok"]:
             sys.exit(1)

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import random
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +44,9 @@ import transformers
 import magi_dist as md
 from ffa_kernels.integrations.transformers import register as register_ffa
 from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig
+
+# --spawn: seconds before the started ranks count as hung (run_ranks kills them)
+SPAWN_TIMEOUT_S = 900.0
 
 # ----------------------------------------------------------------------------- the attention
 
@@ -266,29 +266,6 @@ def run(rank: int, world: int, cfg: TrainConfig, check: bool) -> dict:
     return {"history": history, "ok": ok, "dtype": cfg.dtype, "tolerance": TOLERANCE[cfg.dtype]}
 
 
-def _spawned(rank: int, world: int, store: str, cfg: TrainConfig, check: bool, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    try:
-        result = run(rank, world, cfg, check)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(result, f)
-        dist.barrier()  # leave together (see magi_dist.testing)
-    finally:
-        from magi_comm import close_default_collectives
-
-        md.clear_cache()
-        close_default_collectives()
-        dist.destroy_process_group()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -312,17 +289,10 @@ def main(argv=None) -> dict:
     if cfg.dtype not in TOLERANCE:
         raise ValueError(f"--dtype: expected one of {sorted(TOLERANCE)}, got {cfg.dtype!r}")
     if args.spawn:
-        import torch.multiprocessing as mp
+        from magi_dist.testing import run_ranks
 
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            mp.spawn(
-                _spawned,
-                args=(args.spawn, os.path.join(tmp, "store"), cfg, args.check, out),
-                nprocs=args.spawn,
-            )
-            with open(out) as f:
-                result = json.load(f)
+        # CPU gloo ranks started here (a rank that fails or hangs fails the run, with its stack)
+        result = run_ranks(args.spawn, run, cfg, args.check, timeout=SPAWN_TIMEOUT_S)[0]
         rank = 0
     else:
         dist.init_process_group("gloo")

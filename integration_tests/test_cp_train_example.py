@@ -1,7 +1,7 @@
 """examples/cp_train.py: context-parallel training matches the single-process run.
 
-The example runs as a script, as a user runs it: its spawned ranks unpickle its worker function
-from the script itself, so it needs no import path of its own.
+The example runs as a script, as a user runs it: its ``--spawn`` ranks (magi_dist.testing.run_ranks)
+load its ``run`` function from the script's path, so it needs no import path of its own.
 """
 
 import json
