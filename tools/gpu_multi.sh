@@ -7,7 +7,8 @@
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
 #
 #   tests       pytest -m gpu packages/magi-dist packages/magi-comm (a2av), the magi-dist GPU tests
-#               again with MAGI_COMM_BACKEND=native, and the 2-GPU native check
+#               again with MAGI_COMM_BACKEND=native (and with MAGI_DIST_SYMMETRIC_PARTIALS_MB=256:
+#               the backward's partials pulled from symmetric outputs), and the 2-GPU native check
 #               (packages/magi-comm/tests/gpu_native_check.py)
 #   train       integration_tests/test_cp_training.py on 2 GPUs: examples/cp_train.py, NCCL, bf16,
 #               checked against one GPU (loss curve, final weights; deterministic: bitwise repeat)
@@ -59,6 +60,9 @@ nvidia-smi topo -m >>"$out/gpu.txt" 2>&1
 if part tests; then
   step gpu_tests.log 15 480 python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist packages/magi-comm
   step gpu_tests_native.log 8 300 env MAGI_COMM_BACKEND=native python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist
+  # the backward's partials in symmetric outputs, pulled by their owners (off by default until this passes)
+  step gpu_tests_native_pull.log 8 300 env MAGI_COMM_BACKEND=native MAGI_DIST_SYMMETRIC_PARTIALS_MB=256 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
 fi
 if part train; then

@@ -135,21 +135,37 @@ class GroupCollective:
             raise RuntimeError(
                 "magi_comm: torch.distributed is not initialized; call init_process_group first"
             )
-        self.group = dist.group.WORLD if group is None else group
-        self.rank = dist.get_rank(self.group)
-        if self.rank < 0:
+        group = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(group)
+        if rank < 0:
             raise ValueError("magi_comm: this process is not a member of the given group")
-        self.world_size = dist.get_world_size(self.group)
-        self.backend_name = resolve_backend_name(backend)
-        self._backend: CommBackend | None = create_backend(
-            self.backend_name, self.group, self.rank, self.world_size
+        world_size = dist.get_world_size(group)
+        name = resolve_backend_name(backend)
+        self._setup(
+            group, rank, world_size, name, create_backend(name, group, rank, world_size), plan_cache_size
         )
+
+    def _setup(
+        self, group, rank: int, world_size: int, name: str, backend: CommBackend, cache_size: int
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.backend_name = name
+        self._backend: CommBackend | None = backend
         self._plans: OrderedDict = OrderedDict()
-        self._plan_cache_size = plan_cache_size
+        self._plan_cache_size = cache_size
         self._lock = threading.Lock()
-        logger.debug(
-            "GroupCollective(rank %d/%d, backend %r) created", self.rank, self.world_size, self.backend_name
-        )
+        logger.debug("GroupCollective(rank %d/%d, backend %r) created", rank, world_size, name)
+
+    @classmethod
+    def _over_backend(cls, backend: CommBackend, group, rank: int, world_size: int) -> GroupCollective:
+        """A collective over an existing ``backend`` object, without torch.distributed's group
+        queries (the native backend's fake world, ``magi_comm.testing.native_fake``, runs its
+        ranks as threads of one process)."""
+        gc = cls.__new__(cls)
+        gc._setup(group, rank, world_size, backend.name, backend, _DEFAULT_PLAN_CACHE_SIZE)
+        return gc
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -183,6 +199,13 @@ class GroupCollective:
         return self._backend
 
     # ---- outputs ---------------------------------------------------------------------------
+
+    @property
+    def symmetric_outputs(self) -> bool:
+        """Whether :meth:`empty_output` allocates in the backend's symmetric memory (the native
+        backend: a group_cast into it skips the receive copy, a group_reduce from it lets
+        receivers pull its rows) rather than returning a plain ``torch.empty`` (a2av)."""
+        return getattr(self._require_backend(), "empty_output", None) is not None
 
     def empty_output(
         self, shape, dtype: torch.dtype, device: torch.device | str | None = None

@@ -33,6 +33,7 @@ from ffa_kernels import (
 from magi_comm import group_cast, group_reduce
 from magi_dist.fingerprint import check_key
 from magi_dist.key import DistAttnRuntimeKey
+from magi_dist.partials import Partials
 from magi_dist.runtime import DistAttnRuntime, StageTensors, get_runtime
 
 ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
@@ -198,60 +199,94 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
 
 def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det):
     """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
-    repeatable) and the reduction of the remote rows' [dK, dV] to their owners."""
+    repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
+
+    The partial [dK, dV] buffers come from ``Partials`` (``magi_dist.partials``): symmetric
+    outputs of the group's collective where its backend has them (native: the owners read the
+    rows in place), else plain zeros; taken before the call's first collective."""
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=f32, device=dev)
     n = len(rt.cast_args)
-    remote = rt.remote_tensors(dev)
-    # owners' sums of the remote [dK, dV] rows (only when there are remote stages)
-    dkv_remote = torch.zeros((tk, 2, hk, d), dtype=f32, device=dev) if n else None
-    reduces = []
-    kv: torch.Tensor | None
-    if rt.me.calc.kv_concat:
-        kv = _concat_kv(rt, k, v)
-        dkv = torch.zeros(kv.shape, dtype=f32, device=dev)
-        _bwd_stage(
-            dout, q, kv[:, 0], kv[:, 1], out, lse, remote[0], dq, dkv[:, 0], dkv[:, 1], scale, softcap, det
-        )
-        dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
-        assert dkv_remote is not None  # kv_concat: there is a remote stage (n > 0)
-        reduces.append(_start_reduce(rt, dkv[tk:], dkv_remote, 0))
-    else:
-        kv = _pack(k, v) if n else None
-        pending = _start_cast(rt, kv, 0) if kv is not None else None
+    common = (dout, q, out, lse, dq, scale, softcap, det)
+    if not n:
         dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
-        for t in range(n):
-            assert kv is not None and pending is not None and dkv_remote is not None  # n > 0
-            work, buf = pending
-            work.wait()
-            pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-            dkv_t = torch.zeros(buf.shape, dtype=f32, device=dev)  # [dK, dV] of the stage buffer
-            _bwd_stage(
-                dout,
-                q,
-                buf[:, 0],
-                buf[:, 1],
-                out,
-                lse,
-                remote[t],
-                dq,
-                dkv_t[:, 0],
-                dkv_t[:, 1],
-                scale,
-                softcap,
-                det,
-            )
-            reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
-    if dkv_remote is not None:  # n > 0
-        for w in reduces:  # fixed order: the float32 sums are deterministic
-            w.wait()
-        dk += dkv_remote[:, 0]
-        dv += dkv_remote[:, 1]
+        return dq, dk, dv
+    parts = Partials.take(rt, (2, hk, d), f32, dev)
+    # owners' sums of the remote [dK, dV] rows
+    dkv_remote = torch.zeros((tk, 2, hk, d), dtype=f32, device=dev)
+    if rt.me.calc.kv_concat:
+        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common)
+    else:
+        dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
+    for w in reduces:  # fixed order: the float32 sums are deterministic
+        w.wait()
+    parts.done()  # every reduce is waited: the next call may reuse the buffers
+    if rt.me.calc.kv_concat and parts.symmetric(0):
+        # the local rows' gradients lie in the pooled buffer, which the next call overwrites:
+        # sum into the fresh tensor instead (the same float32 additions, a + b == b + a)
+        dkv_remote += dkv[:tk]
+        return dq, dkv_remote[:, 0], dkv_remote[:, 1]
+    if rt.me.calc.kv_concat:
+        dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
+    dk += dkv_remote[:, 0]
+    dv += dkv_remote[:, 1]
     return dq, dk, dv
+
+
+def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):
+    """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
+    tail is reduced to its owners. Returns the buffer and the reduce's work."""
+    dout, q, out, lse, dq, scale, softcap, det = common
+    tk = k.shape[0]
+    kv = _concat_kv(rt, k, v)
+    dkv = parts.zeros(0, kv.shape[0])
+    st = rt.remote_tensors(q.device)[0]
+    _bwd_stage(dout, q, kv[:, 0], kv[:, 1], out, lse, st, dq, dkv[:, 0], dkv[:, 1], scale, softcap, det)
+    return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
+
+
+def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):
+    """The host stage on local K/V, then each remote stage as its K/V arrive (the next one
+    prefetched meanwhile), its partial ``[dK, dV]`` reduced to the owners while the next stage
+    computes. Returns the local rows' dk, dv (without the owners' sums) and the reduces' works."""
+    dout, q, out, lse, dq, scale, softcap, det = common
+    tk, hk, d = k.shape
+    dev = q.device
+    remote = rt.remote_tensors(dev)
+    kv = _pack(k, v)
+    pending = _start_cast(rt, kv, 0)
+    dk = torch.zeros((tk, hk, d), dtype=dq.dtype, device=dev)
+    dv = torch.zeros((tk, hk, d), dtype=dq.dtype, device=dev)
+    _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
+    reduces = []
+    n = len(rt.cast_args)
+    for t in range(n):
+        assert pending is not None  # stage t's cast started
+        work, buf = pending
+        work.wait()
+        pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
+        dkv_t = parts.zeros(t, buf.shape[0])  # [dK, dV] of the stage buffer
+        _bwd_stage(
+            dout,
+            q,
+            buf[:, 0],
+            buf[:, 1],
+            out,
+            lse,
+            remote[t],
+            dq,
+            dkv_t[:, 0],
+            dkv_t[:, 1],
+            scale,
+            softcap,
+            det,
+        )
+        reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
+    return dk, dv, reduces
 
 
 def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:

@@ -104,6 +104,22 @@ class DistAttnRuntime:
         its group-cast."""
         return self._cached(f"kv_reduce_{stage}", None, lambda: self.cast_args[stage].to_group_reduce())
 
+    def partial_rows(self) -> tuple[int, ...]:
+        """Per partial ``[dK, dV]`` buffer of the backward (one per group-reduce, in call order;
+        degree 0: the whole ``[local; remote]`` buffer, else each remote stage's), the most rows
+        any rank's buffer has. The same on every rank (every rank holds the same plan), so
+        decisions taken from it need no collective (``magi_dist.partials``)."""
+
+        def rows(r: int) -> tuple[int, ...]:
+            rp = self.plan.ranks[r]
+            recv = rp.comm.num_recv_tokens_per_stage
+            return (self.plan.shard_seqlen + recv[0],) if rp.calc.kv_concat else tuple(recv)
+
+        def make() -> tuple[int, ...]:
+            return tuple(max(col) for col in zip(*(rows(r) for r in range(self.plan.cp_size))))
+
+        return self._cached("partial_rows", None, make)
+
     def comm_device(self) -> torch.device:
         """Device of tensors the group's backend moves (CUDA for NCCL, CPU otherwise)."""
         if dist.get_backend(self.group) == "nccl":

@@ -30,7 +30,15 @@ from magi_comm.backends.native.platform import use_platform
 from . import native_fake_kernels as kernels
 from .native_fake_kernels import TIMEOUT, CopyLaunch, launch_reduce, words_at
 
-__all__ = ["TIMEOUT", "CopyLaunch", "FakePlatform", "FakeWorld", "launch_reduce", "run_ranks"]
+__all__ = [
+    "TIMEOUT",
+    "CopyLaunch",
+    "FakePlatform",
+    "FakeWorld",
+    "default_collective",
+    "launch_reduce",
+    "run_ranks",
+]
 
 
 class FakeWorld:
@@ -340,6 +348,28 @@ class FakePlatform:
 
     def kernels(self):
         return self.world.kernels
+
+
+@contextlib.contextmanager
+def default_collective(group, backend):
+    """Context (on a rank's thread): a :class:`~magi_comm.GroupCollective` over this rank's
+    native ``backend`` is magi_comm's shared instance of ``(group, "native")``, so code that
+    calls ``magi_comm.group_cast(..., group)`` / ``get_group_collective(group)`` (with
+    ``$MAGI_COMM_BACKEND=native``) runs on the fake world; ``group`` is any hashable object,
+    one per rank (the ranks share the process). Yields the collective; closes it (and the
+    backend) on exit."""
+    from magi_comm import collective
+
+    gc = collective.GroupCollective._over_backend(backend, group, backend.rank, backend.world_size)
+    with collective._defaults_lock:
+        collective._defaults[(group, "native")] = gc
+    try:
+        yield gc
+    finally:
+        with collective._defaults_lock:
+            if collective._defaults.get((group, "native")) is gc:
+                del collective._defaults[(group, "native")]
+        gc.close()
 
 
 def run_ranks(world: FakeWorld, fn) -> None:
