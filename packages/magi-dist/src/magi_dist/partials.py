@@ -161,7 +161,7 @@ class Partials:
         budget = symmetric_budget()
         if not budget:
             return parts
-        rb = torch.Size(row_shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        rb = torch.Size(row_shape).numel() * dtype.itemsize
         most = rt.partial_rows()  # not this rank's rows: every rank must decide alike
         pool = parts._pool = _pool(gc)
         if pool.event is not None:  # the last call's stream is done with the slots
@@ -179,7 +179,7 @@ class Partials:
         shape = (rows, *self.row_shape)
         if flat is None:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = torch.Size(shape).numel() * self.dtype.itemsize
         return flat[:nbytes].view(self.dtype).view(shape).zero_()
 
     def done(self) -> None:
