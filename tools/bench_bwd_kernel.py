@@ -1,5 +1,5 @@
 """The backward kernel alone (cute_backward_stage, preprocess cached), and what limits it: the same
-kernel with parts switched off (no dQ reductions, no per-block statistics loads). The variants
+kernel with a part switched off (``no_dq``: no dQ reductions). The variants
 compute wrong gradients on purpose; they only bound the time of the part they remove.
 
     python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,no_dq]
