@@ -21,6 +21,7 @@ def cases(world: int) -> list[Case]:
         ("random-slices", random_mask(random.Random(world), 170, max_slices=10), {"sink": "ssh"}),
         ("segments", masks.from_segment_ids([3] * 50 + [1] * 61 + [3] * 40, causal=True), {"hq": 8, "hk": 2}),
         ("float32", masks.varlen(cu, causal=True), {"dtype": "float32", "tol": 2e-4}),
+        ("mla-dv", masks.varlen(cu, causal=True), {"d": 24, "dv": 16, "sink": "sh"}),  # Dv != D
     ]
     out = []
     for i, (name, mask, kw) in enumerate(specs):

@@ -18,6 +18,7 @@ def gpu_cases() -> list[Case]:
         ("sliding-window", masks.sliding_window(1800, (200, 0), causal=True), {"sink": "sh"}),
         ("block-causal", masks.block_causal(cu, 128), {"softcap": 20.0}),
         ("gqa-8-2", masks.varlen(cu, causal=True), {"hq": 8, "hk": 2}),
+        ("mla-192-128", masks.varlen(cu, causal=True), {"d": 192, "dv": 128}),  # Dv != D
     ]
     out = []
     for i, (name, mask, kw) in enumerate(specs):

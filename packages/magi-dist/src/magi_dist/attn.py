@@ -7,8 +7,9 @@ call over ``[local; remote]``) makes one plain kernel call, sink included. Backw
 saved out/lse, re-casts each stage's K/V, computes dq locally and group-reduces each stage's
 partial dK/dV to their owners while the next stage computes.
 
-K and V travel as one packed row per token, ``(T, 2, Hk, D)``; the kernels read ``kv[:, 0]`` and
-``kv[:, 1]`` in place.
+K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
+its V heads; the kernels read the two halves in place (``_split``), so received rows are never
+copied apart. With ``Dv == D`` the memory is that of a ``(T, 2, Hk, D)`` tensor.
 """
 
 from __future__ import annotations
@@ -41,19 +42,24 @@ _DSINK_OPS = ("none", "sum", "avg")
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor, extra_rows: int = 0) -> torch.Tensor:
-    """Each token's K and V rows side by side, ``(T + extra_rows, 2, Hk, D)``, the first T rows
-    filled: one row per token is what the group-cast moves, and the kernels read ``kv[:, 0]`` /
-    ``kv[:, 1]`` in place (packed K/V), so received rows are never copied apart or together."""
-    t = k.shape[0]
-    kv = k.new_empty((t + extra_rows, 2, *k.shape[1:]))
-    kv[:t, 0] = k
-    kv[:t, 1] = v
+    """Each token's K and V rows side by side, ``(T + extra_rows, Hk * D + Hk * Dv)``, the first T
+    rows filled: one row per token is what the group-cast moves, and the kernels read the halves
+    in place (``_split``: packed K/V)."""
+    t, hk, d = k.shape
+    kv = k.new_empty((t + extra_rows, hk * (d + v.shape[2])))
+    kv[:t, : hk * d] = k.flatten(1)
+    kv[:t, hk * d :] = v.flatten(1)
     return kv
 
 
+def _split(kv: torch.Tensor, hk: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(R, Hk, D)`` and ``(R, Hk, Dv)`` of the K and V halves of packed rows ``kv``."""
+    return kv[:, : hk * d].unflatten(1, (hk, d)), kv[:, hk * d :].unflatten(1, (hk, -1))
+
+
 def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int, buf: torch.Tensor | None = None):
-    """Begin receiving stage ``stage``'s remote K/V rows of ``kv`` ``(T, 2, Hk, D)`` into ``buf``
-    (a new ``(R, 2, Hk, D)`` tensor when None). Returns ``(work, buf)``."""
+    """Begin receiving stage ``stage``'s remote K/V rows of packed ``kv`` ``(T, W)`` into ``buf``
+    (a new ``(R, W)`` tensor when None). Returns ``(work, buf)``."""
     a = rt.cast_args[stage]
     if buf is None:
         buf = kv.new_empty((a.num_recv_tokens, *kv.shape[1:]))
@@ -88,7 +94,7 @@ def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor,
 
 
 def _concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Degree 0: ``[local; remote]`` K/V rows in one packed ``(T + R, 2, Hk, D)`` tensor, the
+    """Degree 0: ``[local; remote]`` K/V rows in one packed ``(T + R, W)`` tensor, the
     remote rows cast straight into its tail (waited for)."""
     t = k.shape[0]
     kv = _pack(k, v, rt.cast_args[0].num_recv_tokens)
@@ -162,7 +168,7 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
     """Host stage on local K/V, then each remote stage as its K/V arrive (the next one
     prefetched meanwhile), merged into float32 accumulators; the sink is applied once at the end."""
     dev = q.device
-    out, lse, ml = forward_accumulators(q, max_logits=want_max)
+    out, lse, ml = forward_accumulators(q, max_logits=want_max, head_dim_v=v.shape[2])
     n = len(rt.cast_args)
     remote = rt.remote_tensors(dev)
     kv = _pack(k, v) if n else None
@@ -173,7 +179,7 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
         work, buf = pending
         work.wait()
         pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
-        _fwd_stage(q, buf[:, 0], buf[:, 1], remote[t], out, lse, ml, scale, softcap)
+        _fwd_stage(q, *_split(buf, *k.shape[1:]), remote[t], out, lse, ml, scale, softcap)
     apply_sink(out, lse, sink, sink_layout)
     return out.to(q.dtype), lse, ml
 
@@ -184,7 +190,7 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     remote = rt.remote_tensors(dev)[0] if rt.me.calc.kv_concat else None
     if remote is not None and not remote.empty:
         kv = _concat_kv(rt, k, v)
-        out, lse, ml = _single_stage(q, kv[:, 0], kv[:, 1], remote, *single)
+        out, lse, ml = _single_stage(q, *_split(kv, *k.shape[1:]), remote, *single)
     elif not rt.cast_args and not (host := rt.host_tensors(dev)).empty:
         out, lse, ml = _single_stage(q, k, v, host, *single)
     else:
@@ -201,9 +207,10 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
     """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
     repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
 
-    The partial [dK, dV] buffers come from ``Partials`` (``magi_dist.partials``): symmetric
-    outputs of the group's collective where its backend has them (native: the owners read the
-    rows in place), else plain zeros; taken before the call's first collective."""
+    The partial [dK, dV] buffers (packed rows like the K/V they belong to) come from
+    ``Partials`` (``magi_dist.partials``): symmetric outputs of the group's collective where its
+    backend has them (native: the owners read the rows in place), else plain zeros; taken
+    before the call's first collective."""
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
@@ -211,13 +218,14 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
     n = len(rt.cast_args)
     common = (dout, q, out, lse, dq, scale, softcap, det)
     if not n:
-        dk = torch.zeros((tk, hk, d), dtype=f32, device=dev)
-        dv = torch.zeros((tk, hk, d), dtype=f32, device=dev)
+        dk = torch.zeros(k.shape, dtype=f32, device=dev)
+        dv = torch.zeros(v.shape, dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
         return dq, dk, dv
-    parts = Partials.take(rt, (2, hk, d), f32, dev)
+    width = hk * (d + v.shape[2])
+    parts = Partials.take(rt, (width,), f32, dev)
     # owners' sums of the remote [dK, dV] rows
-    dkv_remote = torch.zeros((tk, 2, hk, d), dtype=f32, device=dev)
+    dkv_remote = torch.zeros((tk, width), dtype=f32, device=dev)
     if rt.me.calc.kv_concat:
         dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common)
     else:
@@ -229,11 +237,12 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
         # the local rows' gradients lie in the pooled buffer, which the next call overwrites:
         # sum into the fresh tensor instead (the same float32 additions, a + b == b + a)
         dkv_remote += dkv[:tk]
-        return dq, dkv_remote[:, 0], dkv_remote[:, 1]
+        return (dq, *_split(dkv_remote, hk, d))
     if rt.me.calc.kv_concat:
-        dk, dv = dkv[:tk, 0], dkv[:tk, 1]  # the local rows' gradients, summed in place below
-    dk += dkv_remote[:, 0]
-    dv += dkv_remote[:, 1]
+        dk, dv = _split(dkv[:tk], hk, d)  # the local rows' gradients, summed in place below
+    remote_dk, remote_dv = _split(dkv_remote, hk, d)
+    dk += remote_dk
+    dv += remote_dv
     return dq, dk, dv
 
 
@@ -241,11 +250,12 @@ def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
     tail is reduced to its owners. Returns the buffer and the reduce's work."""
     dout, q, out, lse, dq, scale, softcap, det = common
-    tk = k.shape[0]
+    tk, hk, d = k.shape
     kv = _concat_kv(rt, k, v)
     dkv = parts.zeros(0, kv.shape[0])
     st = rt.remote_tensors(q.device)[0]
-    _bwd_stage(dout, q, kv[:, 0], kv[:, 1], out, lse, st, dq, dkv[:, 0], dkv[:, 1], scale, softcap, det)
+    kc, vc = _split(kv, hk, d)
+    _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
     return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
 
 
@@ -254,13 +264,13 @@ def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
     prefetched meanwhile), its partial ``[dK, dV]`` reduced to the owners while the next stage
     computes. Returns the local rows' dk, dv (without the owners' sums) and the reduces' works."""
     dout, q, out, lse, dq, scale, softcap, det = common
-    tk, hk, d = k.shape
+    hk, d = k.shape[1:]
     dev = q.device
     remote = rt.remote_tensors(dev)
     kv = _pack(k, v)
     pending = _start_cast(rt, kv, 0)
-    dk = torch.zeros((tk, hk, d), dtype=dq.dtype, device=dev)
-    dv = torch.zeros((tk, hk, d), dtype=dq.dtype, device=dev)
+    dk = torch.zeros(k.shape, dtype=dq.dtype, device=dev)
+    dv = torch.zeros(v.shape, dtype=dq.dtype, device=dev)
     _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
     reduces = []
     n = len(rt.cast_args)
@@ -270,21 +280,9 @@ def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
         work.wait()
         pending = _start_cast(rt, kv, t + 1) if t + 1 < n else None
         dkv_t = parts.zeros(t, buf.shape[0])  # [dK, dV] of the stage buffer
-        _bwd_stage(
-            dout,
-            q,
-            buf[:, 0],
-            buf[:, 1],
-            out,
-            lse,
-            remote[t],
-            dq,
-            dkv_t[:, 0],
-            dkv_t[:, 1],
-            scale,
-            softcap,
-            det,
-        )
+        kt, vt = _split(buf, hk, d)
+        dkt, dvt = _split(dkv_t, hk, d)
+        _bwd_stage(dout, q, kt, vt, out, lse, remote[t], dq, dkt, dvt, scale, softcap, det)
         reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
     return dk, dv, reduces
 
@@ -359,7 +357,8 @@ def calc_attn(
     """Context-parallel attention of this rank's rows.
 
     Args:
-        q: ``(shard_seqlen, Hq, D)``; k, v: ``(shard_seqlen, Hk, D)``: outputs of :func:`dispatch`.
+        q: ``(shard_seqlen, Hq, D)``; k ``(shard_seqlen, Hk, D)``, v ``(shard_seqlen, Hk, Dv)``
+            (``Dv``: the key's ``head_dim_v``, D unless given): outputs of :func:`dispatch`.
         key: from ``magi_attn_flex_key`` / ``magi_attn_varlen_key`` over the same group.
         sink: float32 ``(S_sink, Hq)`` (shared by all rows; its gradient is reduced over the group as
             ``MAGI_DIST_DSINK_REDUCE`` = none|sum|avg says, default none) or ``(shard_seqlen, S_sink, Hq)``
@@ -369,7 +368,7 @@ def calc_attn(
         deterministic: bitwise the same gradients run after run on every rank (each stage's
             backward kernel in its ordered mode; the dK/dV reductions always sum in a fixed order).
     Returns:
-        ``(local_out, AttnForwardMeta(lse, max_logits))``: out ``(shard_seqlen, Hq, D)`` in q's
+        ``(local_out, AttnForwardMeta(lse, max_logits))``: out ``(shard_seqlen, Hq, Dv)`` in q's
         dtype, lse float32 ``(shard_seqlen, Hq)`` (local rows), max_logits float32 ``(Hq,)`` equal on
         every rank, or None.
     Raises:
@@ -385,7 +384,7 @@ def calc_attn(
     #    argument fails on every rank alike, not only on the ranks that happen to have work.
     _check_heads("q", q, key.num_heads_q, key.head_dim)
     _check_heads("k", k, key.num_heads_kv, key.head_dim)
-    _check_heads("v", v, key.num_heads_kv, key.head_dim)
+    _check_heads("v", v, key.num_heads_kv, key.head_dim_v)
     sink_layout = "ssh" if isinstance(sink, torch.Tensor) and sink.dim() == 3 else "sh"
     args = validate_attn_inputs(
         q, k, v, sink=sink, sink_layout=sink_layout, softmax_scale=softmax_scale, softcap=softcap,

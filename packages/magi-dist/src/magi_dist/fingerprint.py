@@ -30,7 +30,7 @@ __all__ = ["check_key", "key_fingerprint"]
 # First entry of every fingerprint: a peer that meets this all-gather from another call (of the
 # same size) shows up as a mismatch here instead of as a wrong comparison.
 _MAGIC = 0x6D6167694B657931  # "magiKey1"
-_SCALARS = ("total_seqlen_q", "total_seqlen_k", "num_heads_q", "num_heads_kv", "head_dim")
+_SCALARS = ("total_seqlen_q", "total_seqlen_k", "num_heads_q", "num_heads_kv", "head_dim", "head_dim_v")
 _SEQUENCES = ("q_ranges", "k_ranges", "mask_types", "group_ranks")
 _LABELS = {
     "q_ranges": "q_ranges (the slices' query ranges: cu_seqlens_q or q_ranges)",

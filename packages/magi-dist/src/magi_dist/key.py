@@ -38,6 +38,11 @@ class DistAttnRuntimeKey:
     group_ranks: tuple[int, ...]
     config_json: str
     group: Any = field(default=None, repr=False)
+    head_dim_v: int = 0  # V's head dim; 0 (the default) means head_dim
+
+    def __post_init__(self) -> None:
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     def __hash__(self) -> int:
         # Computed once: a key of 100k slices takes ~2 ms to hash, and every call looks it up.
@@ -89,13 +94,14 @@ def _positive(name: str, value: Any) -> int:
 
 
 def _make_key(
-    mask: AttnMask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config
+    mask: AttnMask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config, head_dim_v=None
 ) -> DistAttnRuntimeKey:
     hq, hk, d = (
         _positive("num_heads_q", num_heads_q),
         _positive("num_heads_kv", num_heads_kv),
         _positive("head_dim", head_dim),
     )
+    dv = d if head_dim_v is None else _positive("head_dim_v", head_dim_v)
     if hq % hk:
         raise ValueError(f"num_heads_q: {hq} is not a multiple of num_heads_kv={hk}")
     if not isinstance(config, DistAttnConfig):
@@ -113,6 +119,7 @@ def _make_key(
         num_heads_q=hq,
         num_heads_kv=hk,
         head_dim=d,
+        head_dim_v=dv,
         group_ranks=tuple(dist.get_process_group_ranks(group)),
         config_json=config.model_dump_json(),
         group=group,
@@ -130,17 +137,19 @@ def magi_attn_flex_key(
     head_dim: int,
     cp_group_or_mesh: Any,
     dist_attn_config: DistAttnConfig | None = None,
+    head_dim_v: int | None = None,
 ) -> DistAttnRuntimeKey:
     """Key of a mask given as slices (global coordinates; self-attention: totals equal).
 
     ``attn_mask_type`` is one type for all slices or one per slice (codes, strings or
     ``AttnMaskType``). The plan is made on first use, by each rank alone; the first collective
     use of the key object (``calc_attn``, ``undispatch``) checks that every rank of the group
-    built the same key (``magi_dist.fingerprint``).
+    built the same key (``magi_dist.fingerprint``). ``head_dim`` is q's and k's head dim;
+    ``head_dim_v`` V's (None: the same; e.g. 128 beside ``head_dim`` 192 for MLA-style models).
     """
     mask = AttnMask(q_ranges, k_ranges, attn_mask_type, total_seqlen_q, total_seqlen_k)
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
-    return _make_key(mask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config)
+    return _make_key(mask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config, head_dim_v)
 
 
 def magi_attn_varlen_key(
@@ -153,8 +162,10 @@ def magi_attn_varlen_key(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     dist_attn_config: DistAttnConfig | None = None,
+    head_dim_v: int | None = None,
 ) -> DistAttnRuntimeKey:
-    """Key of a packed-documents mask from cumulative lengths (see ``magi_solver.masks.varlen``)."""
+    """Key of a packed-documents mask from cumulative lengths (see ``magi_solver.masks.varlen``);
+    ``head_dim_v`` as in :func:`magi_attn_flex_key`."""
     mask = masks.varlen(cu_seqlens_q, cu_seqlens_k, causal=causal, window_size=window_size)
     config = DistAttnConfig() if dist_attn_config is None else dist_attn_config
-    return _make_key(mask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config)
+    return _make_key(mask, num_heads_q, num_heads_kv, head_dim, cp_group_or_mesh, config, head_dim_v)

@@ -45,6 +45,7 @@ class Case:
     hq: int = 4
     hk: int = 2
     d: int = 16
+    dv: int = 0  # V's head dim; 0: d
     degree: int | None = 1
     dtype: str = "float64"
     chunk: int = 16
@@ -81,11 +82,12 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
 
     T = case.total
+    dv = case.dv or case.d
     q, k, v, dout = (
         rand(T, case.hq, case.d),
         rand(T, case.hk, case.d),
-        rand(T, case.hk, case.d),
-        rand(T, case.hq, case.d),
+        rand(T, case.hk, dv),
+        rand(T, case.hq, dv),
     )
     sink = None
     if case.sink == "sh":
@@ -104,6 +106,7 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
         case.d,
         group,
         dist_attn_config=case.config(),
+        head_dim_v=dv,
     )
     lq, lk, lv = (md.dispatch(x, key).requires_grad_() for x in (q, k, v))
     lsink = None
@@ -265,6 +268,8 @@ def check_bad_inputs(rank: int, world: int) -> None:
     _expect(ValueError, "calc_attn takes dispatched tensors", md.calc_attn, torch.randn(96, 4, 8), k, v, key)
     _expect(ValueError, "q: expected shape", md.calc_attn, torch.randn(n, 3, 8), k, v, key)
     _expect(ValueError, "k: expected shape", md.calc_attn, q, torch.randn(n, 2, 4), v, key)
+    _expect(ValueError, "v: expected shape", md.calc_attn, q, k, torch.randn(n, 2, 4), key)
+    _expect(ValueError, "head_dim_v", md.magi_attn_varlen_key, cu, cu, 4, 2, 8, None, head_dim_v=0)
     _expect(TypeError, "must share one dtype", md.calc_attn, q, k, v.double(), key)
     _expect(ValueError, "sink with sink_layout='sh'", md.calc_attn, q, k, v, key, sink=torch.zeros(2, 3))
     _expect(ValueError, "softcap", md.calc_attn, q, k, v, key, softcap=-1.0)
