@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and measure a kernel step from wip/ (patches not on main yet) on the device, in one call:
-#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|fwd-doc-tiles
+#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|fwd-doc-tiles
 # Copies packages/ and tools/ to a scratch folder, applies wip/NAME/*.patch there (git apply:
 # the device's copy of the tree has no usable git history), runs the step's GPU tests, then its
 # benchmark for main and for the patched tree back to back. Logs go to $OUT (or ./gpu_logs).
@@ -24,6 +24,11 @@ case $name in
     tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
     bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
     bench_wip_extra=(bench_bwd_kernel.py --cases causal8k_d64,full8k_d64 --variants base,tile_m128)
+    ;;
+  bwd-scale-fold)  # bwd-stats-smem's patch, then the scale fold: compare with bwd-stats-smem's numbers
+    tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
+    bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
+    bench_wip_extra=(bench_ffa.py --bwd --cases full8k,causal8k,varlen_causal32k --no-flex --iters 10 --rounds 3)
     ;;
   fwd-doc-tiles)
     tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
