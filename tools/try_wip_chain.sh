@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Check and measure a chain of stacked kernel steps from wip/ in one device call, e.g.
+#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stats-smem bwd-scale-fold bwd-early-dv
+# Each NAME is a wip/ folder whose patch series contains the previous one's (each folder holds
+# the whole stack up to its step). Steps:
+#   1. the GPU tests of the last step (the whole stack); on a failure, those of the earlier
+#      steps too, to find the step that broke;
+#   2. the kernel-alone benchmark for main and every step, back to back in one run each, so
+#      that each step's gain is its row minus the previous one (same machine, same minutes);
+#   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step.
+# Logs go to $OUT (or ./gpu_logs).
+set -uo pipefail
+(($#)) || { echo "usage: try_wip_chain.sh NAME..." >&2; exit 2; }
+root=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$root/gpu_logs}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
+src_path() { local base=$1 p=""; for d in "$base"/packages/*/src; do p="$p:$d"; done; echo "${p#:}"; }
+filter() { grep -v "aux_data\|exe_args"; }
+declare -A tree
+for name in "$@"; do
+  [[ -d $root/wip/$name ]] || { echo "no wip/$name" >&2; exit 2; }
+  tree[$name]=$(mktemp -d)
+  cp -r "$root/packages" "$root/tools" "$root/pyproject.toml" "$root/conftest.py" "${tree[$name]}/"
+  (cd "${tree[$name]}" && git apply "$root"/wip/"$name"/*.patch) || { echo "wip/$name does not apply" >&2; exit 2; }
+done
+tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
+run_tests() {
+  local name=$1
+  echo "== GPU tests of wip/$name"
+  (cd "${tree[$name]}" && PYTHONPATH=$(src_path "${tree[$name]}") timeout 240 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu -n 4 "${tests[@]}") 2>&1 | filter | tail -8 | tee "$out/chain_${name}_tests.log"
+  return "${PIPESTATUS[0]}"
+}
+rc=0
+last=${!#}
+if ! run_tests "$last"; then
+  rc=1
+  for name in "$@"; do [[ $name == "$last" ]] || run_tests "$name"; done
+fi
+kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
+for side in main "$@"; do
+  if [[ $side == main ]]; then path=$(src_path "$root") dir=$root/tools; else path=$(src_path "${tree[$side]}") dir=${tree[$side]}/tools; fi
+  echo "== $side: ${kernel_bench[*]}"
+  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 150 python3 "${kernel_bench[@]}") 2>&1 | filter \
+    | tail -8 | tee "$out/chain_bench_$side.log"
+done
+step=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k --no-flex
+  --iters 10 --rounds 3)
+for side in main "$last"; do
+  if [[ $side == main ]]; then path=$(src_path "$root") dir=$root/tools; else path=$(src_path "${tree[$side]}") dir=${tree[$side]}/tools; fi
+  echo "== $side: ${step[*]}"
+  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 200 python3 "${step[@]}") 2>&1 | filter \
+    | tail -14 | tee "$out/chain_step_$side.log"
+done
+for name in "$@"; do rm -rf "${tree[$name]}"; done
+exit $rc
