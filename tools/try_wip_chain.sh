@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and measure a chain of stacked kernel steps from wip/ in one device call, e.g.
-#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stats-smem bwd-scale-fold bwd-early-dv
+#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stats-smem bwd-scale-fold bwd-early-dv bwd-80-rows
 # Each NAME is a wip/ folder whose patch series contains the previous one's (each folder holds
 # the whole stack up to its step). Steps:
 #   1. the GPU tests of the last step (the whole stack); on a failure, those of the earlier
@@ -53,5 +53,14 @@ for side in main "$last"; do
   (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 200 python3 "${step[@]}") 2>&1 | filter \
     | tail -14 | tee "$out/chain_step_$side.log"
 done
+# steps whose new configuration is not a default yet: time it beside the default (same tree)
+case $last in
+  bwd-80-rows)
+    extra=(bench_bwd_kernel.py --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k --variants base,tile_m80)
+    echo "== $last: ${extra[*]}"
+    (cd "${tree[$last]}/tools" && PYTHONPATH=$(src_path "${tree[$last]}") FFA_CACHE_DIR=$(mktemp -d) timeout 150 \
+      python3 "${extra[@]}") 2>&1 | filter | tail -12 | tee "$out/chain_extra_$last.log"
+    ;;
+esac
 for name in "$@"; do rm -rf "${tree[$name]}"; done
 exit $rc
