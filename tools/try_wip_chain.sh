@@ -8,7 +8,8 @@
 #   2. the kernel-alone benchmark for main and every step, back to back in one run each, so
 #      that each step's gain is its row minus the previous one (same machine, same minutes);
 #   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step.
-# Logs go to $OUT (or ./gpu_logs).
+# Logs go to $OUT (or ./gpu_logs). PART=tests or PART=bench runs only steps 1 or 2-3 (each
+# fits one 10-minute device call where all of it might not).
 set -uo pipefail
 (($#)) || { echo "usage: try_wip_chain.sh NAME..." >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,9 +35,14 @@ run_tests() {
 }
 rc=0
 last=${!#}
-if ! run_tests "$last"; then
+part=${PART:-all}
+if [[ $part != bench ]] && ! run_tests "$last"; then
   rc=1
   for name in "$@"; do [[ $name == "$last" ]] || run_tests "$name"; done
+fi
+if [[ $part == tests ]]; then
+  for name in "$@"; do rm -rf "${tree[$name]}"; done
+  exit $rc
 fi
 kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
 for side in main "$@"; do
