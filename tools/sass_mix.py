@@ -1,11 +1,12 @@
-"""Static instruction mix of the sm90 backward kernels' q-block loops: ours beside FlashAttention-4's.
+"""Static instruction mix of the sm90 kernels' block loops: ours beside FlashAttention-4's.
 
 Both kernels are compiled on this machine, without a GPU (``CUTE_DSL_ARCH=sm_90a``; FA4 through
 its own fake-tensor compile path), their cubins disassembled with the ``nvdisasm`` that Triton
 ships, and every innermost loop that issues wgmma (``HGMMA``) is reported: its SASS instruction
-count by opcode. One loop iteration is one q block (ours: ``tile_m`` rows; FA4: its tile_m,
-80 rows for full attention at D 128, 64 for causal), so the counts say how many instructions
-each kernel issues per block and on what: a candidate change can be counted before a GPU run.
+count by opcode. In the backward one loop iteration is one q block (ours: ``tile_m`` rows; FA4:
+its tile_m, 80 rows for full attention at D 128, 64 for causal); in the forward (``--fwd``) one
+K/V block of ``tile_n`` keys. The counts say how many instructions each kernel issues per block
+and on what: a candidate change can be counted before a GPU run.
 
 These are static counts of the instruction stream, not measurements: they say nothing about
 stalls, and an instruction the profile shows as cheap counts as much as an expensive one.
@@ -20,6 +21,7 @@ Usage:
     python tools/sass_mix.py --causal --head-dim 64
     python tools/sass_mix.py --ours-src /tmp/patched/packages/ffa-kernels/src   # a patched tree
     python tools/sass_mix.py --config tile_m=128  # BwdConfig fields for ours
+    python tools/sass_mix.py --fwd --head-dim 64  # the forward kernels (FwdConfig fields for --config)
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ repeat = reduce = rearrange
 '''
 
 # Compile FA4's sm90 backward from fake tensors (run in a child process: env and stubs).
-_FA4_CHILD = r'''
+_FA4_CHILD = r"""
 import sys, torch, cutlass, cutlass.cute as cute
 from torch._subclasses.fake_tensor import FakeTensorMode
 _compile = cute.compile
@@ -78,22 +80,29 @@ def to_cute_tensor(t, assumed_align=16, leading_dim=-1, fully_dynamic=False, ena
     stride = tuple(1 if i == ld else cute.sym_int64(divisibility=div) for i in range(nd))
     return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=assumed_align)
 fi.to_cute_tensor = to_cute_tensor
-causal, d = sys.argv[1] == "causal", int(sys.argv[2])
+causal, d, fwd = sys.argv[1] == "causal", int(sys.argv[2]), sys.argv[3] == "fwd"
 with FakeTensorMode():
     q = torch.empty(1, 8192, 16, d, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(1, 16, 8192, dtype=torch.float32, device="cuda")
-    fi._flash_attn_bwd(q, q, q, q, q, lse, causal=causal)
-'''
+    if fwd:
+        fi._flash_attn_fwd(q, q, q, causal=causal)
+    else:
+        fi._flash_attn_bwd(q, q, q, q, q, lse, causal=causal)
+"""
 
-_OURS_CHILD = r'''
-import sys, torch
-from ffa_kernels.cute import bwd_interface as bi
-from ffa_kernels.cute.config import BwdConfig
-d = int(sys.argv[1])
-fields = dict(kv.split("=") for kv in sys.argv[2:])
-cfg = BwdConfig(head_dim=d, **{k: int(v) for k, v in fields.items()})
-bi.get_bwd_kernel(torch.bfloat16, cfg, False, True, False, use_disk_cache=False)
-'''
+_OURS_CHILD = r"""
+import dataclasses, sys, torch
+from ffa_kernels.cute import bwd_interface as bi, interface as fwd_i
+from ffa_kernels.cute.config import BwdConfig, default_config
+d, fwd = int(sys.argv[1]), sys.argv[2] == "fwd"
+fields = {k: int(v) for k, v in (kv.split("=") for kv in sys.argv[3:])}
+if fwd:
+    cfg = dataclasses.replace(default_config(d), **fields)
+    fwd_i.get_kernel(torch.bfloat16, cfg, False, use_disk_cache=False)
+else:
+    cfg = BwdConfig(head_dim=d, **fields)
+    bi.get_bwd_kernel(torch.bfloat16, cfg, False, True, False, use_disk_cache=False)
+"""
 
 
 def _nvdisasm() -> str:
@@ -141,8 +150,9 @@ def _fa4_site() -> Path:
     return SITE
 
 
-def _compile(child: str, args: list[str], pythonpath: str, extra_env: dict[str, str]) -> str:
-    """Run ``child`` with a fresh dump folder; return the SASS of the backward main kernel."""
+def _compile(child: str, args: list[str], pythonpath: str, extra_env: dict[str, str], kind: str) -> str:
+    """Run ``child`` with a fresh dump folder; return the SASS of its main ``kind`` kernel
+    (``Forward`` or ``Backward``)."""
     with tempfile.TemporaryDirectory() as dump:
         env = {
             **os.environ,
@@ -155,11 +165,13 @@ def _compile(child: str, args: list[str], pythonpath: str, extra_env: dict[str, 
         r = subprocess.run([sys.executable, "-c", child, *args], env=env, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"compile failed:\n{r.stderr[-3000:]}")
-        cubins = [p for p in Path(dump).glob("*.cubin") if re.search(r"Backward(Sm90)?_", p.name)]
+        cubins = [p for p in Path(dump).glob("*.cubin") if re.search(kind + r"(Sm90)?_", p.name)]
         main = [p for p in cubins if "Sm90" in p.name] or cubins
         if not main:
-            raise SystemExit(f"no backward cubin in the dump: {[p.name for p in Path(dump).iterdir()]}")
-        return subprocess.run([_nvdisasm(), "-c", str(main[0])], capture_output=True, text=True, check=True).stdout
+            raise SystemExit(f"no {kind} cubin in the dump: {[p.name for p in Path(dump).iterdir()]}")
+        return subprocess.run(
+            [_nvdisasm(), "-c", str(main[0])], capture_output=True, text=True, check=True
+        ).stdout
 
 
 _ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)")
@@ -204,20 +216,23 @@ def _table(named: list[tuple[str, collections.Counter]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", action="store_true", help="FA4's causal kernel (ours has one kernel for all masks)")
-    ap.add_argument("--config", nargs="*", default=[], help="BwdConfig fields for ours, e.g. tile_m=128")
+    ap.add_argument(
+        "--causal", action="store_true", help="FA4's causal kernel (ours has one kernel for all masks)"
+    )
+    ap.add_argument("--fwd", action="store_true", help="the forward kernels (default: the backward)")
+    ap.add_argument("--config", nargs="*", default=[], help="config fields for ours, e.g. tile_m=128")
     ap.add_argument("--ours-src", default=str(ROOT / "packages" / "ffa-kernels" / "src"),
                     help="the ffa_kernels source tree to compile (e.g. a patched copy)")  # fmt: skip
     ap.add_argument("--no-fa4", action="store_true")
     a = ap.parse_args()
 
-    ours = block_loops(_compile(_OURS_CHILD, [str(a.head_dim), *a.config], a.ours_src, {}))
+    kind, mode = ("Forward", "fwd") if a.fwd else ("Backward", "bwd")
+    ours = block_loops(_compile(_OURS_CHILD, [str(a.head_dim), mode, *a.config], a.ours_src, {}, kind))
     named = [(f"ours loop {i + 1}", c) for i, c in enumerate(ours)]
     if not a.no_fa4:
         env = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}
-        fa4 = block_loops(
-            _compile(_FA4_CHILD, ["causal" if a.causal else "full", str(a.head_dim)], str(_fa4_site()), env)
-        )
+        fa4_args = ["causal" if a.causal else "full", str(a.head_dim), mode]
+        fa4 = block_loops(_compile(_FA4_CHILD, fa4_args, str(_fa4_site()), env, kind))
         named += [(f"FA4 loop {i + 1}", c) for i, c in enumerate(fa4)]
     print(_table(named))
 
