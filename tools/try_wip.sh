@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and measure a kernel step from wip/ (patches not on main yet) on the device, in one call:
-#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|bwd-early-dv|fwd-doc-tiles
+#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|bwd-early-dv|fwd-p-convert|fwd-doc-tiles
 # Copies packages/ and tools/ to a scratch folder, applies wip/NAME/*.patch there (git apply:
 # the device's copy of the tree has no usable git history), runs the step's GPU tests, then its
 # benchmark for main and for the patched tree back to back. Logs go to $OUT (or ./gpu_logs).
@@ -35,6 +35,11 @@ case $name in
     bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
     bench_wip_extra=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k
       --no-flex --iters 10 --rounds 3)
+    ;;
+  fwd-p-convert)
+    tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
+    bench=(bench_ffa.py --cases full8k_d256,causal8k_d256,full8k,causal8k,causal8k_d64 --no-flex --iters 10 --rounds 3)
+    bench_wip_extra=()
     ;;
   fwd-doc-tiles)
     tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
