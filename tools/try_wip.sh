@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and measure a kernel step from wip/ (patches not on main yet) on the device, in one call:
-#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|bwd-early-dv|fwd-p-convert|fwd-doc-tiles
+#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|bwd-early-dv|fwd-p-convert|mask-bits|fwd-doc-tiles
 # Copies packages/ and tools/ to a scratch folder, applies wip/NAME/*.patch there (git apply:
 # the device's copy of the tree has no usable git history), runs the step's GPU tests, then its
 # benchmark for main and for the patched tree back to back. Logs go to $OUT (or ./gpu_logs).
@@ -39,6 +39,12 @@ case $name in
   fwd-p-convert)
     tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
     bench=(bench_ffa.py --cases full8k_d256,causal8k_d256,full8k,causal8k,causal8k_d64 --no-flex --iters 10 --rounds 3)
+    bench_wip_extra=()
+    ;;
+  mask-bits)  # masked blocks in both kernels: short documents have few unmasked blocks
+    tests=(packages/ffa-kernels/tests/test_cute_gpu.py packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
+    bench=(bench_ffa.py --bwd --cases causal8k,swa8k --lengths many-short,uniform --totals 32768 --no-flex
+      --iters 10 --rounds 3)
     bench_wip_extra=()
     ;;
   fwd-doc-tiles)
