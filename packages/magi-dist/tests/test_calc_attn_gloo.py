@@ -37,7 +37,12 @@ def test_calc_attn_matches_single_process(world):
 
 def test_every_overlap_degree_on_one_mask():
     mask = masks.varlen([0, 64, 200], causal=True)
-    spawn_gloo(3, [Case.from_mask(f"deg{d}", mask, degree=d, chunk=8, min_chunk=4) for d in DEGREES])
+    cases = [Case.from_mask(f"deg{d}", mask, degree=d, chunk=8, min_chunk=4) for d in DEGREES]
+    # v with its own head dim (MLA): packed K/V rows of unequal halves at every degree, on 3 ranks
+    cases += [
+        Case.from_mask(f"dv-deg{d}", mask, degree=d, chunk=8, min_chunk=4, d=24, dv=16) for d in DEGREES
+    ]
+    spawn_gloo(3, cases)
 
 
 def test_dsink_sum_reduce():

@@ -19,6 +19,7 @@ def gpu_cases() -> list[Case]:
         ("block-causal", masks.block_causal(cu, 128), {"softcap": 20.0}),
         ("gqa-8-2", masks.varlen(cu, causal=True), {"hq": 8, "hk": 2}),
         ("mla-192-128", masks.varlen(cu, causal=True), {"d": 192, "dv": 128}),  # Dv != D
+        ("mla-192-128-b", masks.varlen(cu), {"d": 192, "dv": 128, "hk": 2}),  # the next degree
     ]
     out = []
     for i, (name, mask, kw) in enumerate(specs):

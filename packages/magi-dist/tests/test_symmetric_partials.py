@@ -29,6 +29,7 @@ from magi_dist.testing import Case, run_case, run_ranks
 from magi_solver import AttnMask, DispatchConfig, DistAttnConfig, OverlapConfig, make_plan, masks
 
 HQ, HK, D = 4, 2, 16
+DV = 12  # v's head dim: the packed [dK, dV] rows of unequal halves go through the pool too
 
 # One slice whose keys all lie on a few ranks: at cp 2 and 3 some rank receives no remote rows
 # in some stage while others do (checked below), so its allocations must still match theirs.
@@ -46,7 +47,7 @@ def _runtime(mask: AttnMask, world: int, rank: int, degree: int, group) -> DistA
     q, k, t = mask.to_lists()
     key = DistAttnRuntimeKey(
         tuple(map(tuple, q)), tuple(map(tuple, k)), tuple(t), mask.total_seqlen_q, mask.total_seqlen_k,
-        HQ, HK, D, tuple(range(world)), config.model_dump_json(), group,
+        HQ, HK, D, tuple(range(world)), config.model_dump_json(), group, head_dim_v=DV,
     )  # fmt: skip
     return DistAttnRuntime(key=key, plan=make_plan(mask, world, config), rank=rank, group=group)
 
@@ -54,7 +55,10 @@ def _runtime(mask: AttnMask, world: int, rank: int, degree: int, group) -> DistA
 def _inputs(mask: AttnMask, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     T = mask.total_seqlen_q
-    return [torch.randn(T, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (HQ, HK, HK, HQ)]
+    return [
+        torch.randn(T, h, d, generator=g, dtype=torch.float64).to(dtype)
+        for h, d in ((HQ, D), (HK, D), (HK, DV), (HQ, DV))
+    ]
 
 
 def _reference(mask: AttnMask, x: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -221,7 +221,11 @@ def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """``(k, v, row stride in elements)`` as the kernel reads them: dense rows (`has_dense_rows`)
     a multiple of 16 bytes apart, the same for K and V (packed K/V, e.g. views ``kv[:, 0]`` /
     ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place), bases 16-byte aligned.
-    Anything else is copied to contiguous tensors first."""
+    Anything else is copied to contiguous tensors first. For the backward, which reads K and V
+    with one row stride: v must have k's shape (Dv == D)."""
+    assert v.shape == k.shape, (
+        f"_kv_rows: one row stride for K and V needs equal shapes, got {k.shape}, {v.shape}"
+    )
     hk, d = k.shape[1], k.shape[2]
     stride = k.stride(0)
 
