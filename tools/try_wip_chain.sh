@@ -44,28 +44,25 @@ if [[ $part == tests ]]; then
   for name in "$@"; do rm -rf "${tree[$name]}"; done
   exit $rc
 fi
-kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
-for side in main "$@"; do
+# bench SIDE SECONDS LINES LOG ARGS...: a tools/ script run on main's tree or a step's tree
+bench() {
+  local side=$1 secs=$2 lines=$3 log=$4 path dir
+  shift 4
   if [[ $side == main ]]; then path=$(src_path "$root") dir=$root/tools; else path=$(src_path "${tree[$side]}") dir=${tree[$side]}/tools; fi
-  echo "== $side: ${kernel_bench[*]}"
-  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 150 python3 "${kernel_bench[@]}") 2>&1 | filter \
-    | tail -8 | tee "$out/chain_bench_$side.log"
-done
+  echo "== $side: $*"
+  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout "$secs" python3 "$@") 2>&1 | filter \
+    | tail -"$lines" | tee "$out/$log"
+}
+kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
+for side in main "$@"; do bench "$side" 150 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
 step=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k --no-flex
   --iters 10 --rounds 3)
-for side in main "$last"; do
-  if [[ $side == main ]]; then path=$(src_path "$root") dir=$root/tools; else path=$(src_path "${tree[$side]}") dir=${tree[$side]}/tools; fi
-  echo "== $side: ${step[*]}"
-  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 200 python3 "${step[@]}") 2>&1 | filter \
-    | tail -14 | tee "$out/chain_step_$side.log"
-done
+for side in main "$last"; do bench "$side" 200 14 "chain_step_$side.log" "${step[@]}"; done
 # steps whose new configuration is not a default yet: time it beside the default (same tree)
 case $last in
   bwd-80-rows)
-    extra=(bench_bwd_kernel.py --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k --variants base,tile_m80)
-    echo "== $last: ${extra[*]}"
-    (cd "${tree[$last]}/tools" && PYTHONPATH=$(src_path "${tree[$last]}") FFA_CACHE_DIR=$(mktemp -d) timeout 150 \
-      python3 "${extra[@]}") 2>&1 | filter | tail -12 | tee "$out/chain_extra_$last.log"
+    bench "$last" 150 12 "chain_extra_$last.log" bench_bwd_kernel.py \
+      --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k --variants base,tile_m80
     ;;
 esac
 for name in "$@"; do rm -rf "${tree[$name]}"; done
