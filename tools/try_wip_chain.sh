@@ -65,5 +65,8 @@ case $last in
       --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k --variants base,tile_m80
     ;;
 esac
+# D 64 with 128-row blocks (spill-free since bwd-stats-smem; measured slower before it)
+bench "$last" 120 8 "chain_extra_d64_$last.log" bench_bwd_kernel.py --cases causal8k_d64,full8k_d64 \
+  --variants base,tile_m128
 for name in "$@"; do rm -rf "${tree[$name]}"; done
 exit $rc
