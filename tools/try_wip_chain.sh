@@ -8,8 +8,8 @@
 #   2. the kernel-alone benchmark for main and every step, back to back in one run each, so
 #      that each step's gain is its row minus the previous one (same machine, same minutes);
 #   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step.
-# Logs go to $OUT (or ./gpu_logs). PART=tests or PART=bench runs only steps 1 or 2-3 (each
-# fits one 10-minute device call where all of it might not).
+# Logs go to $OUT (or ./gpu_logs). PART=tests, PART=kernels or PART=step runs only step 1, 2
+# or 3 (+ the extra timings of the last step), each within one 10-minute device call.
 set -uo pipefail
 (($#)) || { echo "usage: try_wip_chain.sh NAME..." >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,14 +36,15 @@ run_tests() {
 rc=0
 last=${!#}
 part=${PART:-all}
-if [[ $part != bench ]] && ! run_tests "$last"; then
+if [[ $part == all || $part == tests ]] && ! run_tests "$last"; then
   rc=1
   for name in "$@"; do [[ $name == "$last" ]] || run_tests "$name"; done
 fi
-if [[ $part == tests ]]; then
+finish() {
   for name in "$@"; do rm -rf "${tree[$name]}"; done
   exit $rc
-fi
+}
+[[ $part == tests ]] && finish "$@"
 # bench SIDE SECONDS LINES LOG ARGS...: a tools/ script run on main's tree or a step's tree
 bench() {
   local side=$1 secs=$2 lines=$3 log=$4 path dir
@@ -54,7 +55,10 @@ bench() {
     | tail -"$lines" | tee "$out/$log"
 }
 kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
-for side in main "$@"; do bench "$side" 150 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
+if [[ $part == all || $part == kernels ]]; then
+  for side in main "$@"; do bench "$side" 110 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
+fi
+[[ $part == kernels ]] && finish "$@"
 step=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k --no-flex
   --iters 10 --rounds 3)
 for side in main "$last"; do bench "$side" 200 14 "chain_step_$side.log" "${step[@]}"; done
@@ -68,5 +72,4 @@ esac
 # D 64 with 128-row blocks (spill-free since bwd-stats-smem; measured slower before it)
 bench "$last" 120 8 "chain_extra_d64_$last.log" bench_bwd_kernel.py --cases causal8k_d64,full8k_d64 \
   --variants base,tile_m128
-for name in "$@"; do rm -rf "${tree[$name]}"; done
-exit $rc
+finish "$@"
