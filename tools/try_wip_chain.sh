@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check and measure a chain of stacked kernel steps from wip/ in one device call, e.g.
-#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stats-smem bwd-scale-fold bwd-early-dv bwd-80-rows
+#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stats-smem bwd-scale-fold bwd-early-dv bwd-80-rows bwd-stats-tma
 # Each NAME is a wip/ folder whose patch series contains the previous one's (each folder holds
 # the whole stack up to its step). Steps:
 #   1. the GPU tests of the last step (the whole stack); on a failure, those of the earlier
@@ -64,7 +64,7 @@ step=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,g
 for side in main "$last"; do bench "$side" 200 14 "chain_step_$side.log" "${step[@]}"; done
 # steps whose new configuration is not a default yet: time it beside the default (same tree)
 case $last in
-  bwd-80-rows)
+  bwd-80-rows | bwd-stats-tma)
     bench "$last" 150 12 "chain_extra_$last.log" bench_bwd_kernel.py \
       --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k --variants base,tile_m80
     ;;
