@@ -56,7 +56,7 @@ bench() {
 }
 kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
 if [[ $part == all || $part == kernels ]]; then
-  for side in main "$@"; do bench "$side" 110 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
+  for side in main "$@"; do bench "$side" 90 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
 fi
 [[ $part == kernels ]] && finish "$@"
 step=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k --no-flex
