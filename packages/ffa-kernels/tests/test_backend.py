@@ -239,3 +239,17 @@ def test_cute_not_implemented_falls_back_unless_forced(monkeypatch):
     with pytest.raises(RuntimeError, match=r"FFA_BACKEND=cute, but .*: head_dim 3 is not supported") as info:
         flex_flash_attn_func(q, q, q, r, r)
     assert isinstance(info.value.__cause__, NotImplementedError)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1])
+@pytest.mark.parametrize("what", ["forward", "backward"])
+def test_kernels_decline_scales_that_are_not_positive(scale, what):
+    """The sm90 kernels mask scores to -inf before scaling them, so a softmax_scale <= 0 would
+    give +inf / NaN in masked cells: they say so before anything runs (the frontend then falls
+    back to the reference with a warning naming softmax_scale)."""
+    from ffa_kernels.cute.interface import kernel_scales
+
+    q = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="softmax_scale"):
+        kernel_scales(q, q, scale, 0.0, what)
+    assert kernel_scales(q, q, 0.05, 0.0, what) == (0.05, 0.0)

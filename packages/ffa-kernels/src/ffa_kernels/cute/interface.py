@@ -155,6 +155,10 @@ def kernel_scales(
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise NotImplementedError(f"q: the sm90 {what} supports bfloat16 and float16, got {q.dtype}")
     softmax_scale = float(d**-0.5 if softmax_scale is None else softmax_scale)
+    if not softmax_scale > 0.0:
+        # the kernels mask scores to -inf before scaling them: a scale <= 0 would turn masked
+        # cells into +inf or NaN
+        raise NotImplementedError(f"softmax_scale: the sm90 {what} supports scales > 0, got {softmax_scale}")
     softcap = float(softcap) if softcap and softcap > 0.0 else 0.0
     return softmax_scale, softcap
 
