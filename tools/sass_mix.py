@@ -179,9 +179,10 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def block_loops(sass: str) -> list[collections.Counter]:
-    """Opcode counts of each innermost loop (a backward branch's span) that issues HGMMA."""
-    instrs: list[tuple[str, str]] = []  # (opcode, operands)
+def _loop_spans(sass: str) -> list[list[tuple[str, str]]]:
+    """The instructions ``(opcode with modifiers, operands)`` of each innermost loop (a backward
+    branch's span) that issues HGMMA, in program order."""
+    instrs: list[tuple[str, str]] = []  # (e.g. "WARPGROUP.DEPBAR.LE", "gsb0, 0x1 ;")
     labels: dict[str, int] = {}
     for line in sass.splitlines():
         m = _LABEL.match(line.strip())
@@ -190,18 +191,49 @@ def block_loops(sass: str) -> list[collections.Counter]:
             continue
         m = _ADDR.search(line)
         if m:
-            instrs.append((m.group(2).split(".")[0], m.group(3)))
+            instrs.append((m.group(2), m.group(3)))
     loops = []
     for i, (op, rest) in enumerate(instrs):
-        t = _TARGET.search(rest) if op == "BRA" else None
+        t = _TARGET.search(rest) if op.split(".")[0] == "BRA" else None
         if t and labels.get(t.group(1), i + 1) <= i:
             lo = labels[t.group(1)]
-            body = [o for o, _ in instrs[lo : i + 1]]
+            body = [o.split(".")[0] for o, _ in instrs[lo : i + 1]]
             # a span with an EXIT is a retry stub after the kernel's end jumping back, not a loop
             if "HGMMA" in body and "EXIT" not in body:
                 loops.append((lo, i))
     inner = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
-    return [collections.Counter(o for o, _ in instrs[lo : hi + 1]) for lo, hi in sorted(set(inner))]
+    return [instrs[lo : hi + 1] for lo, hi in sorted(set(inner))]
+
+
+def block_loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each innermost loop that issues HGMMA."""
+    return [collections.Counter(o.split(".")[0] for o, _ in span) for span in _loop_spans(sass)]
+
+
+def wait_order(sass: str) -> list[str]:
+    """Per loop, its wgmma issues, ``WARPGROUP.DEPBAR`` waits (``wait<N>``: at most N groups
+    left in flight), exponentials and named barriers in program order, runs collapsed: where
+    ptxas put the waits relative to the exp work shows which GEMM the softmax overlaps."""
+    out = []
+    for span in _loop_spans(sass):
+        seq = []
+        for op, rest in span:
+            if op.startswith("HGMMA"):
+                seq.append("HGMMA")
+            elif op == "MUFU.EX2":
+                seq.append("ex2")
+            elif op.startswith("WARPGROUP.DEPBAR"):
+                seq.append("wait<" + rest.split("gsb0,")[1].split(";")[0].strip().replace("0x", "") + ">")
+            elif op.startswith("BAR"):
+                seq.append("bar")
+        runs: list[list] = []
+        for x in seq:
+            if runs and runs[-1][0] == x:
+                runs[-1][1] += 1
+            else:
+                runs.append([x, 1])
+        out.append(" ".join(f"{x}x{n}" if n > 1 else x for x, n in runs))
+    return out
 
 
 def _table(named: list[tuple[str, collections.Counter]]) -> str:
@@ -224,17 +256,25 @@ def main() -> None:
     ap.add_argument("--ours-src", default=str(ROOT / "packages" / "ffa-kernels" / "src"),
                     help="the ffa_kernels source tree to compile (e.g. a patched copy)")  # fmt: skip
     ap.add_argument("--no-fa4", action="store_true")
+    ap.add_argument(
+        "--order", action="store_true", help="also print each loop's order of GEMMs, waits and exps"
+    )
     a = ap.parse_args()
 
     kind, mode = ("Forward", "fwd") if a.fwd else ("Backward", "bwd")
-    ours = block_loops(_compile(_OURS_CHILD, [str(a.head_dim), mode, *a.config], a.ours_src, {}, kind))
-    named = [(f"ours loop {i + 1}", c) for i, c in enumerate(ours)]
+    sass = {"ours": _compile(_OURS_CHILD, [str(a.head_dim), mode, *a.config], a.ours_src, {}, kind)}
     if not a.no_fa4:
         env = {"FLASH_ATTENTION_ARCH": "sm_90", "FLASH_ATTENTION_NUM_SMS": "132"}
         fa4_args = ["causal" if a.causal else "full", str(a.head_dim), mode]
-        fa4 = block_loops(_compile(_FA4_CHILD, fa4_args, str(_fa4_site()), env, kind))
-        named += [(f"FA4 loop {i + 1}", c) for i, c in enumerate(fa4)]
+        sass["FA4"] = _compile(_FA4_CHILD, fa4_args, str(_fa4_site()), env, kind)
+    named = [
+        (f"{who} loop {i + 1}", c) for who, text in sass.items() for i, c in enumerate(block_loops(text))
+    ]
     print(_table(named))
+    if a.order:
+        for who, text in sass.items():
+            for i, line in enumerate(wait_order(text)):
+                print(f"\n{who} loop {i + 1}: {line}")
 
 
 if __name__ == "__main__":
