@@ -10,6 +10,9 @@
 #   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step.
 # Logs go to $OUT (or ./gpu_logs). PART=tests, PART=kernels or PART=step runs only step 1, 2
 # or 3 (+ the extra timings of the last step), each within one 10-minute device call.
+# PART=ncu: Nsight Compute on main's and the last step's backward kernel beside FA4's (full and
+# causal 8k): time, instructions executed and tensor-pipe activity, which says whether the
+# stack's fewer instructions per row (tools/sass_mix.py) became time.
 set -uo pipefail
 (($#)) || { echo "usage: try_wip_chain.sh NAME..." >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,6 +57,20 @@ bench() {
   (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout "$secs" python3 "$@") 2>&1 | filter \
     | tail -"$lines" | tee "$out/$log"
 }
+if [[ $part == ncu ]]; then
+  metrics=gpu__time_duration.sum,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+  for side in main "$last"; do
+    if [[ $side == main ]]; then path=$(src_path "$root") dir=$root/tools; else path=$(src_path "${tree[$last]}") dir=${tree[$last]}/tools; fi
+    for mask in full causal; do
+      echo "== ncu $side $mask"
+      (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 200 ncu --clock-control none \
+        -k regex:"FFABackwardSm90|FlashAttentionBackwardSm90" --launch-skip 2 --launch-count 2 --metrics "$metrics" \
+        python3 ncu_bwd.py "$mask") 2>&1 | grep -E "BackwardSm90|gpu__time|inst_executed|hmma" \
+        | tee -a "$out/chain_ncu_$side.log"
+    done
+  done
+  finish "$@"
+fi
 kernel_bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
 if [[ $part == all || $part == kernels ]]; then
   for side in main "$@"; do bench "$side" 90 8 "chain_bench_$side.log" "${kernel_bench[@]}"; done
