@@ -47,11 +47,12 @@ case $name in
       --iters 10 --rounds 3)
     bench_wip_extra=()
     ;;
-  fwd-doc-tiles)
+  fwd-doc-tiles)  # the chosen tiling beside forced per-document tiles (calibrates TILE_COST_BLOCKS)
     tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
     bench=(bench_ffa.py --cases "" --lengths many-short,long-tailed,uniform --totals 32768,131072 --no-flex --no-peers
       --iters 10 --rounds 3)
-    bench_wip_extra=()
+    bench_wip_extra=(-c "import runpy, sys; import ffa_kernels.cute.tile_plan as t; t.SEGMENT_ROWS = True;
+sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "${bench[@]}")
     ;;
   *) echo "try_wip.sh: no checks written for wip/$name" >&2; exit 2 ;;
 esac
