@@ -41,7 +41,13 @@ last=${!#}
 part=${PART:-all}
 if [[ $part == all || $part == tests ]] && ! run_tests "$last"; then
   rc=1
-  for name in "$@"; do [[ $name == "$last" ]] || run_tests "$name"; done
+  # find the step that broke: the earlier steps from the last one down, until one passes (or
+  # the call's 10 minutes run short)
+  steps=("$@")
+  for ((i = ${#steps[@]} - 2; i >= 0; i--)); do
+    ((SECONDS > 330)) && { echo "== out of time: steps before ${steps[i + 1]} not tested"; break; }
+    run_tests "${steps[i]}" && { echo "== ${steps[i]} passes: ${steps[i + 1]} broke"; break; }
+  done
 fi
 finish() {
   for name in "$@"; do rm -rf "${tree[$name]}"; done
