@@ -1,41 +1,13 @@
 #!/usr/bin/env bash
-# Check and measure a kernel step from wip/ (patches not on main yet) on the device, in one call:
-#   source .dk/bin/env.sh && bash tools/try_wip.sh bwd-stats-smem|bwd-scale-fold|bwd-early-dv|fwd-p-convert|mask-bits|fwd-doc-tiles
-# Copies packages/ and tools/ to a scratch folder, applies wip/NAME/*.patch there (git apply:
-# the device's copy of the tree has no usable git history), runs the step's GPU tests, then its
-# benchmark for main and for the patched tree back to back. Logs go to $OUT (or ./gpu_logs).
+# Check and measure one kernel step from wip/ (patches not on main yet) on the device, in one call:
+#   source .dk/bin/env.sh && bash tools/try_wip.sh mask-bits|fwd-p-convert|fwd-doc-tiles
+# Applies wip/NAME/*.patch to a scratch copy (tools/wip_lib.sh), runs the step's GPU tests, then
+# its benchmark for main and for the patched tree back to back. Logs go to $OUT (or ./gpu_logs).
+# The stacked backward steps (wip/bwd-stack) go through tools/try_wip_chain.sh instead.
 set -uo pipefail
 name=${1:?usage: try_wip.sh NAME (a folder of wip/)}
-root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/gpu_logs}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
-[[ -d $root/wip/$name ]] || { echo "no wip/$name" >&2; exit 2; }
-scratch=$(mktemp -d)
-cp -r "$root/packages" "$root/tools" "$scratch/"
-cp "$root/pyproject.toml" "$root/conftest.py" "$scratch/"
-(cd "$scratch" && git apply "$root"/wip/"$name"/*.patch) || { echo "wip/$name does not apply" >&2; exit 2; }
-src_path() { local base=$1 p=""; for d in "$base"/packages/*/src; do p="$p:$d"; done; echo "${p#:}"; }
-main_path=$(src_path "$root")
-wip_path=$(src_path "$scratch")
-filter() { grep -v "aux_data\|exe_args"; }
+source "$(dirname "$0")/wip_lib.sh"
 case $name in
-  bwd-stats-smem)
-    tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
-    bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
-    bench_wip_extra=(bench_bwd_kernel.py --cases causal8k_d64,full8k_d64 --variants base,tile_m128)
-    ;;
-  bwd-scale-fold)  # bwd-stats-smem's patch, then the scale fold: compare with bwd-stats-smem's numbers
-    tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
-    bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
-    bench_wip_extra=(bench_ffa.py --bwd --cases full8k,causal8k,varlen_causal32k --no-flex --iters 10 --rounds 3)
-    ;;
-  bwd-early-dv)  # bwd-scale-fold's patches, then dV's GEMM before the dP^T wait
-    tests=(packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
-    bench=(bench_bwd_kernel.py --cases full8k,causal8k,causal8k_d64,varlen_causal32k --variants base)
-    bench_wip_extra=(bench_ffa.py --bwd --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k
-      --no-flex --iters 10 --rounds 3)
-    ;;
   fwd-p-convert)
     tests=(packages/ffa-kernels/tests/test_cute_gpu.py)
     bench=(bench_ffa.py --cases full8k_d256,causal8k_d256,full8k,causal8k,causal8k_d64 --no-flex --iters 10 --rounds 3)
@@ -56,6 +28,9 @@ sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')" "${be
     ;;
   *) echo "try_wip.sh: no checks written for wip/$name" >&2; exit 2 ;;
 esac
+scratch=$(patched_tree "$name") || exit 2
+main_path=$(src_path "$root")
+wip_path=$(src_path "$scratch")
 rc=0
 echo "== GPU tests of wip/$name"
 (cd "$scratch" && PYTHONPATH=$wip_path timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 "${tests[@]}") \
