@@ -30,11 +30,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("cutlass")
 
 
-def _is_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm90 GPU")
+requires_sm90 = pytest.mark.skipif(not testing.is_sm90(), reason="needs an sm90 GPU")
 
 
 def dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda"):

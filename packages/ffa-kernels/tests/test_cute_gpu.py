@@ -15,6 +15,7 @@ import torch
 from ffa_kernels.testing import (
     block_causal_slices,
     grid_slices,
+    is_sm90,
     segment_id_slices,
     sliding_window_slices,
     varlen_slices,
@@ -25,11 +26,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("cutlass")
 
 
-def _is_sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm90 GPU")
+requires_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU")
 
 
 # ----------------------------------------------------------------------------- oracle

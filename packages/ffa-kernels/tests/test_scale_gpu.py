@@ -7,13 +7,11 @@ import pytest
 import torch
 
 from ffa_kernels import BackendFallbackWarning, _backend, flex_flash_attn_func
-from ffa_kernels.testing import dense_attention
+from ffa_kernels.testing import dense_attention, is_sm90
 
 pytestmark = pytest.mark.gpu
 
-requires_sm90 = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs an sm90 GPU"
-)
+requires_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU")
 
 
 @requires_sm90

@@ -38,6 +38,12 @@ __all__ = [
 RangesLike = torch.Tensor | Sequence[Sequence[int]]
 
 
+def is_sm90() -> bool:
+    """Whether a CUDA device of compute capability 9.x (the sm90 kernels' target) is present:
+    the skip condition of the GPU tests that run the kernels."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def _as_list(x: RangesLike | Sequence[int] | None) -> list:
     if x is None:
         return []
