@@ -123,25 +123,18 @@ def _fa4_site() -> Path:
         raise SystemExit("no device kit in .dk/: run ../shared/devkit/stage first")
     tmp = SITE.with_suffix(".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    xz = subprocess.Popen(["xz", "-d", "-T0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert xz.stdin is not None and xz.stdout is not None
-
-    def feed() -> None:
-        for p in parts:
-            xz.stdin.write(p.read_bytes())  # type: ignore[union-attr]
-        xz.stdin.close()  # type: ignore[union-attr]
-
-    import threading
-
-    t = threading.Thread(target=feed)
-    t.start()
-    with tarfile.open(fileobj=xz.stdout, mode="r|") as tar:
+    # the parts are one xz stream split in two: concatenated, then decompressed on every core
+    unpack = subprocess.Popen(
+        ["sh", "-c", 'cat "$@" | xz -d -T0', "sh", *map(str, parts)], stdout=subprocess.PIPE
+    )
+    assert unpack.stdout is not None
+    with tarfile.open(fileobj=unpack.stdout, mode="r|") as tar:
         for member in tar:
             top = member.name.removeprefix("./").split("/", 1)[0]
             if top in ("flash_attn", "quack"):
                 tar.extract(member, tmp, filter="data")
-    t.join()
-    xz.wait()
+    if unpack.wait():
+        raise SystemExit("could not unpack the device kit's bundle")
     (tmp / "tvm_ffi").mkdir(exist_ok=True)
     (tmp / "tvm_ffi" / "__init__.py").write_text(_TVM_STUB)
     (tmp / "einops").mkdir(exist_ok=True)
