@@ -47,7 +47,7 @@ def _runtime(mask: AttnMask, world: int, rank: int, degree: int, group) -> DistA
     q, k, t = mask.to_lists()
     key = DistAttnRuntimeKey(
         tuple(map(tuple, q)), tuple(map(tuple, k)), tuple(t), mask.total_seqlen_q, mask.total_seqlen_k,
-        HQ, HK, D, tuple(range(world)), config.model_dump_json(), group, head_dim_v=DV,
+        HQ, HK, D, DV, tuple(range(world)), config.model_dump_json(), group,
     )  # fmt: skip
     return DistAttnRuntime(key=key, plan=make_plan(mask, world, config), rank=rank, group=group)
 

@@ -34,15 +34,11 @@ class DistAttnRuntimeKey:
     total_seqlen_k: int
     num_heads_q: int
     num_heads_kv: int
-    head_dim: int
+    head_dim: int  # q's and k's
+    head_dim_v: int  # v's (equal to head_dim unless the model gives v its own, e.g. MLA)
     group_ranks: tuple[int, ...]
     config_json: str
     group: Any = field(default=None, repr=False)
-    head_dim_v: int = 0  # V's head dim; 0 (the default) means head_dim
-
-    def __post_init__(self) -> None:
-        if not self.head_dim_v:
-            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     def __hash__(self) -> int:
         # Computed once: a key of 100k slices takes ~2 ms to hash, and every call looks it up.
