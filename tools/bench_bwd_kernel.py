@@ -1,6 +1,8 @@
 """The backward kernel alone (cute_backward_stage, preprocess cached), and what limits it: the same
-kernel with a part switched off (``no_dq``: no dQ reductions). The variants
-compute wrong gradients on purpose; they only bound the time of the part they remove.
+kernel with a part switched off (``no_dq``: no dQ reductions). That variant
+computes wrong gradients on purpose; it only bounds the time of the part it removes. The
+variant ``tile_mN`` (e.g. ``tile_m128`` at D 64) runs the default config with N-row q blocks
+(correct gradients).
 
     python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,no_dq]
                                      [--whole 0,1,2,4,8] [--deterministic]
@@ -13,6 +15,7 @@ that many q heads per CTA (0: the default choice); ``--deterministic``: each of 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -31,6 +34,15 @@ def _variant(name: str) -> None:
     if not hasattr(cls, "_orig_add_dq"):
         cls._orig_add_dq = cls.add_dq
     cls.add_dq = cls._orig_add_dq
+    if not hasattr(bwd_interface, "_orig_default_bwd_config"):
+        bwd_interface._orig_default_bwd_config = bwd_interface.default_bwd_config
+    bwd_interface.default_bwd_config = bwd_interface._orig_default_bwd_config
+    if name.startswith("tile_m"):
+        # the default config with another q block height (correct gradients), e.g. tile_m128
+        orig, rows = bwd_interface._orig_default_bwd_config, int(name[len("tile_m") :])
+        bwd_interface.default_bwd_config = lambda d, softcap=False: dataclasses.replace(
+            orig(d, softcap), tile_m=rows
+        )
     if name == "no_dq":
 
         def no_dq(self, *args):

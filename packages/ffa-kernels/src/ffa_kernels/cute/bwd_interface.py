@@ -10,7 +10,7 @@ import torch
 
 from .._identity_cache import IdentityCache
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
-from .config import HEAD_GROUP_SHIFT, BwdConfig, default_bwd_config
+from .config import HEAD_GROUP_SHIFT, STAT_PAD, BwdConfig, default_bwd_config
 from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
 from .kernel_args import make_launcher
 from .tile_plan import get_plan
@@ -124,9 +124,11 @@ def _num_sms(device_index: int) -> int:
 
 
 def stat_stride(total_q: int, tile_m: int) -> int:
-    """Row length of the preprocess's (Hq, stride) tensors: Tq plus one q block of padding, so a
-    block that starts at any row below Tq reads no further than the padding; a multiple of 4."""
-    return (total_q + tile_m + 3) // 4 * 4
+    """Row length of the preprocess's (Hq, stride) tensors: Tq plus one q block and STAT_PAD
+    values of padding, so the statistics copy of a block that starts at any row below Tq (from
+    that row rounded down to 4, ``tile_m + STAT_PAD`` values) reads no further than the padding;
+    a multiple of 4, so every head's row starts 16-byte aligned."""
+    return (total_q + tile_m + STAT_PAD + 3) // 4 * 4
 
 
 # The stages of one backward run back to back: one entry (its GPU tensor stays alive until the

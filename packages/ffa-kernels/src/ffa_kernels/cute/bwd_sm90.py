@@ -18,7 +18,8 @@ float32 shared-memory tile and a TMA reduce-add into the float32 dq accumulator 
 to the same rows). Nothing of size Tq x Tk exists.
 
 Warp specialisation (384 threads):
-  warpgroup 0, warp 0  TMA producer: K and V once, then Q and dO of every block through
+  warpgroup 0, warp 0  TMA producer: K and V once, then Q with the block's lse2 and dO with
+                       its delta (a bulk copy riding each transaction) through
                        ``num_stages``-deep pipelines;
   warpgroup 0, warp 1  dQ writer: per block and consumer warpgroup, waits until the warpgroup
                        has written its float32 dQ tile (named barrier DQFull), issues the TMA
@@ -34,7 +35,9 @@ Warp specialisation (384 threads):
 ``lse2`` (lse * log2(e), +inf for rows nothing covers, so P = 0 there) and ``delta``
 (rowsum(dO * O)) come from the host-side preprocess as float32 (Hq, stat_stride) tensors padded
 past Tq (lse2 +inf, delta 0), so a q block may run past Tq without bounds checks; Q and dO rows
-past Tq are zero-filled by the TMA unit.
+past Tq are zero-filled by the TMA unit. The consumers read them from shared memory as they use
+them (no per-thread global loads, and neither array is held in registers through the other's
+use).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
 from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2, store_pair_16bit
-from .config import BwdConfig
+from .config import STAT_PAD, BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
 from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
@@ -73,6 +76,9 @@ class FFABackwardSm90:
         # warpgroup's dQ is a (64, dq_cols) wgmma tile, its own float32 tile in shared memory.
         self.dq_split_rows = cfg.tile_m > 64
         self.dq_cols = cfg.head_dim if self.dq_split_rows else cfg.head_dim // cfg.num_mma_wg
+        # a block's lse2 / delta: a bulk copy needs a 16-byte aligned source, so it starts at the
+        # block's first row rounded down to 4 and takes STAT_PAD more values
+        self.stat_cols = cfg.tile_m + STAT_PAD
 
     # ------------------------------------------------------------------ host side (traced)
     @cute.jit
@@ -173,6 +179,8 @@ class FFABackwardSm90:
         )
         elem_bytes = self.dtype.width // 8
         self.bytes_q = self.tile_m * D * elem_bytes
+        # lse2 / delta of a block ride its Q / dO transaction (one bulk copy each, see producer)
+        self.bytes_stats = self.stat_cols * 4
         self.bytes_kv = 2 * self.tile_n * D * elem_bytes
 
         @cute.struct
@@ -186,6 +194,8 @@ class FFABackwardSm90:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_cols * cfg.num_stages], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_cols * cfg.num_stages], 128]
 
         self.kernel(
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
@@ -252,8 +262,9 @@ class FFABackwardSm90:
         storage = smem.allocate(SharedStorage)
         warps = cfg.num_mma_wg * 4
         pipe_kv = tma_pipeline(storage.mbar_kv.data_ptr(), 1, self.bytes_kv, warps)
-        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), cfg.num_stages, self.bytes_q, warps)
-        pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), cfg.num_stages, self.bytes_q, warps)
+        tx_q = self.bytes_q + self.bytes_stats
+        pipe_q = tma_pipeline(storage.mbar_q.data_ptr(), cfg.num_stages, tx_q, warps)
+        pipe_do = tma_pipeline(storage.mbar_do.data_ptr(), cfg.num_stages, tx_q, warps)
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -262,6 +273,9 @@ class FFABackwardSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        stat_layout = cute.make_layout((self.stat_cols, cfg.num_stages))
+        sLSE2 = storage.sLSE2.get_tensor(stat_layout)
+        sDelta = storage.sDelta.get_tensor(stat_layout)
 
         w, slot = cta_work_and_head(flags, num_work, num_slots)
         n0 = mWork[w, 0]
@@ -281,6 +295,7 @@ class FFABackwardSm90:
                 self.producer(
                     tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
                     sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head0, heads_per_cta, head_kv,
+                    mLSE2, mDelta, sLSE2, sDelta,
                 )  # fmt: skip
             if warp_idx == 1:
                 self.dq_writer(tma_dq, tma_atom_dq, sdQ, mEnt, mRanks, mSem, w, e0, e1, head0, heads_per_cta)
@@ -288,7 +303,7 @@ class FFABackwardSm90:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
                 tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
                 n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
             )  # fmt: skip
 
@@ -296,9 +311,11 @@ class FFABackwardSm90:
     def producer(
         self, tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v,
         sQ, sdO, sK, sV, pipe_kv, pipe_q, pipe_do, mEnt, n0, e0, e1, head0, heads_per_cta, head_kv,
+        mLSE2, mDelta, sLSE2, sDelta,
     ):  # fmt: skip
-        """K and V once (one transaction), then Q and dO of every planned block, in the
-        consumers' order (heads, then entries in plan order, then blocks in q order)."""
+        """K and V once (one transaction), then Q (+ lse2) and dO (+ delta) of every planned
+        block, in the consumers' order (heads, then entries in plan order, then blocks in q
+        order)."""
         cfg = self.cfg
         D = self.hdim
         kv_state = make_pipeline_state(PipelineUserType.Producer, 1)
@@ -316,18 +333,38 @@ class FFABackwardSm90:
                 for j in cutlass.range(mEnt[e, 1], unroll=1):
                     qb = q_lo + j * self.tile_m
                     pipe_q.producer_acquire(q_state)
-                    tma_load_rows(tma_atom_q, gQ, qb, self.tile_m, D, sQ, q_state.index,
-                                  pipe_q.producer_get_barrier(q_state))  # fmt: skip
+                    bar_q = pipe_q.producer_get_barrier(q_state)
+                    tma_load_rows(tma_atom_q, gQ, qb, self.tile_m, D, sQ, q_state.index, bar_q)
+                    self.load_stats(mLSE2, sLSE2, head0 + hh, qb, q_state.index, bar_q)
                     q_state.advance()
                     pipe_do.producer_acquire(do_state)
-                    tma_load_rows(tma_atom_do, gdO, qb, self.tile_m, D, sdO, do_state.index,
-                                  pipe_do.producer_get_barrier(do_state))  # fmt: skip
+                    bar_do = pipe_do.producer_get_barrier(do_state)
+                    tma_load_rows(tma_atom_do, gdO, qb, self.tile_m, D, sdO, do_state.index, bar_do)
+                    self.load_stats(mDelta, sDelta, head0 + hh, qb, do_state.index, bar_do)
                     do_state.advance()
+
+    @cute.jit
+    def load_stats(self, mStat, sStat, head, qb, stage, bar):
+        """One bulk copy: ``mStat[head, a0 : a0 + stat_cols]`` into ``sStat[:, stage]``, where a0
+        is qb rounded down to a multiple of 4 (rows a0 and up are 16-byte aligned: the host's
+        stat_stride is a multiple of 4 and padded past Tq by tile_m + STAT_PAD); the consumers
+        read the block's rows at ``qb - a0`` on."""
+        a0 = qb - qb % 4
+        src = mStat.iterator + cute.crd2idx((head, a0), mStat.layout)
+        src16 = cute.make_ptr(Float32, src.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32, num_bits_per_copy=self.stat_cols * 32)
+        if cute.arch.lane_idx() == 0:  # a bulk copy is issued by one thread (no election by the compiler)
+            cute.copy(
+                atom,
+                cute.make_tensor(src16, cute.make_layout(self.stat_cols)),
+                sStat[None, stage],
+                mbar_ptr=bar,
+            )
 
     @cute.jit
     def consumer(
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, mLSE2, mDelta, mdK, mdV, mEnt,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
         n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
     ):  # fmt: skip
         cfg = self.cfg
@@ -399,7 +436,7 @@ class FFABackwardSm90:
                             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
                             tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS,
                             tdQrKt, store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, pipe_q, pipe_do,
-                            q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
+                            q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, softmax_scale,
                         )  # fmt: skip
                         q_state.advance()
                         do_state.advance()
@@ -424,7 +461,7 @@ class FFABackwardSm90:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
         tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
         store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ,
-        pipe_q, pipe_do, q_state, do_state, mLSE2, mDelta, scale_log2, score_premul, softmax_scale,
+        pipe_q, pipe_do, q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, softmax_scale,
     ):  # fmt: skip
         """One q block (rows qb .. qb + tile_m) against this CTA's keys; the caller advances
         the pipeline states."""
@@ -436,15 +473,13 @@ class FFABackwardSm90:
         acc_dP = cute.make_rmem_tensor(acc_shape_sdp, Float32)
         wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], True, -1)
 
-        # per-column (q row) statistics of this block, read while the GEMMs run
+        # per-column (q row) statistics of this block, from shared memory (load_stats) when
+        # needed: lse2 for the exponentials, delta for dS (neither is live through the other)
         s = acc_rows_cols(acc_S)
         ncol = cute.size(s, mode=[1])
-        lse2 = cute.make_rmem_tensor(ncol, Float32)
-        delta = cute.make_rmem_tensor(ncol, Float32)
-        for c in cutlass.range_constexpr(ncol):
-            q_row = qb + tScS[0, c][1]
-            lse2[c] = mLSE2[head, q_row]
-            delta[c] = mDelta[head, q_row]
+        shift = qb % 4  # the statistics' bulk copy started at qb - shift
+        sLSE2_blk = sLSE2[None, q_state.index]
+        sDelta_blk = sDelta[None, do_state.index]
 
         warpgroup.wait_group(1)  # S^T
         dtanh = None
@@ -457,16 +492,18 @@ class FFABackwardSm90:
                 dtanh[i] = 1.0 - t * t
         if cutlass.const_expr(masked):
             apply_band_mask(acc_S, tScS, t0ScS, qb, n0, ks, ke, lo, hi, qs, qe)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            for c in cutlass.range_constexpr(ncol):
-                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse2[c], fastmath=True)
+        for c in cutlass.range_constexpr(ncol):
+            lse2 = sLSE2_blk[shift + tScS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse2, fastmath=True)
         tdVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
         warpgroup.wait_group(0)  # dP^T
         dp = acc_rows_cols(acc_dP)
-        for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
-            for c in cutlass.range_constexpr(ncol):
-                dp[r, c] = s[r, c] * (dp[r, c] - delta[c])
+        for c in cutlass.range_constexpr(ncol):
+            delta = sDelta_blk[shift + tScS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(dp, mode=[0])):
+                dp[r, c] = s[r, c] * (dp[r, c] - delta)
         if cutlass.const_expr(self.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[i] = acc_dP[i] * dtanh[i]
@@ -499,7 +536,10 @@ class FFABackwardSm90:
         threads = 128 + cute.arch.WARP_SIZE
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQEmptyWG1) + wg_idx, number_of_threads=threads)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i] * softmax_scale
+            acc_dQ[i] = acc_dQ[i] * softmax_scale
+        # vector stores where the layouts allow (a thread's adjacent columns are 8 bytes apart
+        # in the swizzled tile too)
+        cute.autovec_copy(acc_dQ, tdQsdQ)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.DQFullWG1) + wg_idx, number_of_threads=threads)
 

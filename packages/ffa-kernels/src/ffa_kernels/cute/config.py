@@ -11,6 +11,10 @@ from typing import Any, ClassVar
 # CTA order (schedule.py); the bits below are the forward's feature flags.
 HEAD_GROUP_SHIFT = 8
 
+# The backward loads a q block's lse2 / delta with one bulk copy, whose source must be 16-byte
+# aligned: it starts at the block's first row rounded down to 4 and takes this many more values.
+STAT_PAD = 4
+
 # (q/k head dim, v/out head dim) pairs the forward kernel compiles for; (192, 128) is
 # DeepSeek-style MLA (v's head dim never exceeds q's: O reuses Q's shared memory)
 FWD_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
