@@ -11,6 +11,7 @@ bitwise.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -115,7 +116,7 @@ def _check(name, got, ref, lowp, rounded_to=None):
     return err, tol
 
 
-def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed):
+def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed, scale=None):
     """Random q, k, v, dout, the final out / lse, the dense mask and the range tensors."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
@@ -123,7 +124,9 @@ def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed):
     v = torch.randn(tk, hk, d, device="cuda", dtype=dtype, generator=g)
     dout = torch.randn(tq, hq, d, device="cuda", dtype=dtype, generator=g)
     mask = dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda")
-    out, lse = forward_out_lse(q, k, v, q_ranges, k_ranges, types, d**-0.5, softcap)
+    out, lse = forward_out_lse(
+        q, k, v, q_ranges, k_ranges, types, d**-0.5 if scale is None else scale, softcap
+    )
     ranges = (
         torch.tensor(q_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
         torch.tensor(k_ranges, dtype=torch.int32, device="cuda").reshape(-1, 2),
@@ -167,14 +170,14 @@ def run_bwd_whole_case(
 
 def run_bwd_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
-    acc_layout="separate", config=None,
+    acc_layout="separate", config=None, scale=None,
 ):  # fmt: skip
     from ffa_kernels.cute import cute_backward_stage
 
     g, q, k, v, dout, out, lse, mask, ranges = _inputs(
-        q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed
+        q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed, scale
     )
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     dq0 = torch.randn(tq, hq, d, device="cuda", generator=g)
     dk0 = torch.randn(tk, hk, d, device="cuda", generator=g)
     dv0 = torch.randn(tk, hk, d, device="cuda", generator=g)
@@ -220,6 +223,18 @@ def test_bwd_full_and_causal(d, dtype):
     run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, d=d, dtype=dtype)
     run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=d, dtype=dtype)
     run_bwd_case([[0, 900]], [[0, 300]], [1], 900, 300, d=d, dtype=dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [0.3, 0.05])
+def test_bwd_softmax_scales(dtype, scale):
+    """Scales other than D ** -0.5: bfloat16 folds the scale into P (lse2 shifted, dV divided
+    by it at the end), float16 multiplies dQ and dK by it instead (bwd_interface.fold_scale);
+    with and without softcap. (Scales <= 0 are declined: test_backend.py.)"""
+    run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=64, dtype=dtype, scale=scale)
+    qr, kr, ty, t = varlen_slices([1, 77, 300, 129], 1)
+    run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, dtype=dtype, scale=scale, softcap=20.0 if scale > 0.1 else 0.0)
 
 
 @requires_sm90
@@ -340,9 +355,10 @@ def test_bwd_whole_call_random(seed):
 @requires_sm90
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
-def test_bwd_preprocess_kernel(out_dtype, d):
-    """lse2 and delta from the preprocess kernel equal torch's float32 math; uncovered rows
-    (lse = -inf) get +inf, the padding +inf / 0."""
+@pytest.mark.parametrize("fold", [1.0, 128**-0.5])
+def test_bwd_preprocess_kernel(out_dtype, d, fold):
+    """lse2 (shifted by -log2(fold)) and delta from the preprocess kernel equal torch's float32
+    math; uncovered rows (lse = -inf) get +inf, the padding +inf / 0."""
     from ffa_kernels.cute.bwd_interface import bwd_preprocess
 
     tq, hq = 1037, 6
@@ -350,12 +366,13 @@ def test_bwd_preprocess_kernel(out_dtype, d):
     out = torch.randn(tq, hq, d, device="cuda", dtype=out_dtype)
     lse = torch.randn(tq, hq, device="cuda") * 5
     lse[::7, 1] = float("-inf")
-    stats = bwd_preprocess(dout, out, lse, 64)
+    stats = bwd_preprocess(dout, out, lse, 64, fold)
     torch.cuda.synchronize()
     delta = (dout.float() * out.float()).sum(-1).t()
-    lse2 = torch.where(lse.t() == float("-inf"), float("inf"), lse.t() * 1.4426950408889634)
+    shifted = lse.t() * 1.4426950408889634 - math.log2(fold)
+    lse2 = torch.where(lse.t() == float("-inf"), float("inf"), shifted)
     assert torch.allclose(stats[1, :, :tq], delta, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(stats[0, :, :tq], lse2, rtol=1e-6, atol=0)
+    assert torch.allclose(stats[0, :, :tq], lse2, rtol=1e-6, atol=1e-6)
     assert torch.equal(stats[0, :, :tq].isinf(), lse2.isinf())
     assert bool((stats[0, :, tq:] == float("inf")).all()) and not stats[1, :, tq:].any()
 

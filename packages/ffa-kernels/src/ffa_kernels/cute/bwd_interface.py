@@ -5,6 +5,7 @@ backward plan, argument packing, ``cute_backward_stage`` (adds into float32 accu
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -23,13 +24,13 @@ def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
     16-byte aligned), dk, dv (``dkv_store``: "in", 4-byte aligned, stored two elements at a
     time; else f32 accumulators, 8-byte aligned, added to two at a time), work, entries, ranks,
     semaphores (i32; the last two read by the deterministic variant only); int32 total_q, total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride,
-    dkv_row_stride, stat_stride, heads_per_cta; float32 scale_log2, score_premul,
-    softmax_scale; int32 flags; the stream.
+    dkv_row_stride, stat_stride, heads_per_cta; float32 scale_log2, score_premul, grad_scale,
+    dv_scale (`fold_scale`); int32 flags; the stream.
     """
     dkv = ("ptr", "in", 4) if dkv_store else ("ptr", "f32", 8)
     ptrs = [("ptr", "in", 16)] * 4 + [("ptr", "f32", 16)] * 3 + [dkv] * 2 + [("ptr", "i32", 16)] * 2
     ptrs += [("ptr", "i32", 4)] * 2
-    return ptrs + [("i32", "", 0)] * 10 + [("f32", "", 0)] * 3 + [("i32", "", 0), ("stream", "", 0)]
+    return ptrs + [("i32", "", 0)] * 10 + [("f32", "", 0)] * 4 + [("i32", "", 0), ("stream", "", 0)]
 
 
 def bwd_compile_key(
@@ -135,9 +136,10 @@ def stat_stride(total_q: int, tile_m: int) -> int:
 # next backward replaces it).
 _STATS_CACHE = IdentityCache(maxsize=1)
 
-# (kind, element, alignment): dout, out, lse, stats pointers; total_q, heads, stat_stride; stream
+# (kind, element, alignment): dout, out, lse, stats pointers; total_q, heads, stat_stride;
+# lse2_shift; stream
 _PRE_SPEC_16 = [("ptr", "in", 16), ("ptr", "in", 16), ("ptr", "f32", 4), ("ptr", "f32", 16)]
-_PRE_SCALARS = [("i32", "", 0)] * 3 + [("stream", "", 0)]
+_PRE_SCALARS = [("i32", "", 0)] * 3 + [("f32", "", 0), ("stream", "", 0)]
 
 
 def preprocess_arg_spec(out_is_f32: bool) -> list[tuple[str, str, int]]:
@@ -186,14 +188,29 @@ def _preprocess_launcher(do_dtype: torch.dtype, out_dtype: torch.dtype, d: int):
     return fn
 
 
-def bwd_preprocess(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int) -> torch.Tensor:
-    """float32 ``(2, Hq, stat_stride)``: ``[0]`` lse2 = lse * log2(e) (+inf where lse = -inf, and
-    in the padding past Tq), ``[1]`` delta = rowsum(dout * out) in float32 (0 in the padding).
+def fold_scale(softmax_scale: float, dtype: torch.dtype) -> float:
+    """The scale the backward folds into P (``bwd_sm90.py``): softmax_scale for bfloat16 (its
+    log2 shifts lse2), 1 for float16, whose 5-bit exponent would turn more of a scaled P and dS
+    subnormal (the kernel then multiplies dQ and dK by the scale itself). The kernels take
+    scales > 0 only (`kernel_scales`)."""
+    return softmax_scale if dtype == torch.bfloat16 else 1.0
+
+
+def bwd_preprocess(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int, fold: float = 1.0
+) -> torch.Tensor:
+    """float32 ``(2, Hq, stat_stride)``: ``[0]`` lse2 = lse * log2(e) - log2(fold) (+inf where
+    lse = -inf, and in the padding past Tq), ``[1]`` delta = rowsum(dout * out) in float32 (0 in
+    the padding). ``fold`` (> 0, `fold_scale`): the main kernel's P comes out times ``fold``, so
+    that dS, dQ and dK carry the softmax scale with no multiply per block (``bwd_sm90.py``).
 
     dout: ``(Tq, Hq, D)`` (q's dtype), out ``(Tq, Hq, D)``, lse ``(Tq, Hq)``: the final ones.
     One kernel (`bwd_preprocess.BwdPreprocess`); cached on the identity of the three tensors, so
     the stages of one backward compute it once."""
-    extra = (tile_m,)
+    if not fold > 0.0:
+        raise ValueError(f"fold: must be > 0, got {fold!r}")
+    shift = math.log2(fold)
+    extra = (tile_m, shift)
     hit = _STATS_CACHE.get((dout, out, lse), extra)
     if hit is not None:
         return hit
@@ -207,7 +224,7 @@ def bwd_preprocess(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, til
     _preprocess_launcher(dout.dtype, out_c.dtype, d)(
         (
             do_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr(), stats.data_ptr(), tq, hq, stats.shape[-1],
-            torch.cuda.current_stream(dout.device).cuda_stream,
+            shift, torch.cuda.current_stream(dout.device).cuda_stream,
         )
     )  # fmt: skip
     _STATS_CACHE.put((dout, out, lse), extra, stats)
@@ -243,7 +260,8 @@ def _launch(
     total_k, hk, _ = k.shape
     q = _aligned16(q.contiguous())
     do = _aligned16(dout.to(q.dtype).contiguous())
-    stats = bwd_preprocess(do, out, lse, cfg.tile_m)
+    fold = fold_scale(softmax_scale, q.dtype)
+    stats = bwd_preprocess(do, out, lse, cfg.tile_m, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
     flags = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group) << HEAD_GROUP_SHIFT
@@ -261,7 +279,7 @@ def _launch(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats[0].data_ptr(), stats[1].data_ptr(),
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
             ranks_ptr, sem_ptr, total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
-            stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale, flags,
+            stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale / fold, 1.0 / fold, flags,
             torch.cuda.current_stream(q.device).cuda_stream,
         )
     )  # fmt: skip

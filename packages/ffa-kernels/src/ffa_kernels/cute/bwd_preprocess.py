@@ -1,12 +1,16 @@
 """The backward's preprocess (device code): per (row, head) statistics the main kernel reads.
 
-    stats[0, h, r] = lse[r, h] * log2(e)          (+inf where lse = -inf: P = 0 on that row)
+    stats[0, h, r] = lse[r, h] * log2(e) - lse2_shift   (+inf where lse = -inf: P = 0 there)
     stats[1, h, r] = sum_d dout[r, h, d] * out[r, h, d]     (delta, in float32)
     stats[:, h, Tq:stat_stride] = +inf / 0                  (padding a q block may read)
 
 Memory-bound: ``threads_per_row`` = D / 8 consecutive threads read one (row, head)'s D elements of
 dout and out, 8 per thread in 16-byte (32 for float32) vector loads, and reduce the dot product
 with butterfly shuffles. One launch replaces torch's casts, product and sum (five passes).
+
+``lse2_shift`` is log2(softmax_scale): the main kernel's P = exp2(S * scale_log2 - lse2) then
+comes out as softmax_scale * P, so dS, dQ and dK carry the softmax scale with no multiply per
+block (dV divides it out once, at the end; see bwd_sm90.py).
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ class BwdPreprocess:
         total_q: Int32,
         num_heads: Int32,
         stat_stride: Int32,
+        lse2_shift: Float32,
         stream: cuda.CUstream,
     ):
         num_rows = total_q * num_heads
         num_pad = (stat_stride - total_q) * num_heads
         items = num_rows + num_pad
-        self.kernel(ptr_do, ptr_out, ptr_lse, ptr_stats, total_q, num_heads, stat_stride).launch(
+        self.kernel(ptr_do, ptr_out, ptr_lse, ptr_stats, total_q, num_heads, stat_stride, lse2_shift).launch(
             grid=[(items + self.rows_per_cta - 1) // self.rows_per_cta, 1, 1],
             block=[_THREADS, 1, 1],
             stream=stream,
@@ -63,6 +68,7 @@ class BwdPreprocess:
         total_q: Int32,
         num_heads: Int32,
         stat_stride: Int32,
+        lse2_shift: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -92,7 +98,7 @@ class BwdPreprocess:
                 head = item - row * num_heads
                 at = Int64(head) * Int64(stat_stride) + row
                 lse = cute.make_tensor(ptr_lse, cute.make_layout(num_rows))[item]
-                lse2 = lse * _LOG2_E
+                lse2 = lse * _LOG2_E - lse2_shift
                 if lse == -math.inf:
                     lse2 = Float32(math.inf)
                 mStats[at] = lse2

@@ -12,10 +12,17 @@ Key-tile major: one CTA per (key tile of the backward plan, q head). The CTA loa
 
 A CTA walks the q heads ``head0 .. head0 + heads_per_cta`` of one K/V head in turn (all of a
 GQA group's heads, or a part of them when there would be too few CTAs). dV and dK stay in
-registers for the whole CTA; at the end they are either stored in the input dtype (``dkv_store``:
-the CTA is their only writer) or added to float32 dk/dv accumulators (``red.global.add.v2.f32``); dQ of every block goes, times softmax_scale, through a
-float32 shared-memory tile and a TMA reduce-add into the float32 dq accumulator (other CTAs add
-to the same rows). Nothing of size Tq x Tk exists.
+registers for the whole CTA; at the end they are either stored in the input dtype
+(``dkv_store``: the CTA is their only writer) or added to float32 dk/dv accumulators
+(``red.global.add.v2.f32``); dQ of every block goes through a float32 shared-memory tile and a
+TMA reduce-add into the float32 dq accumulator (other CTAs add to the same rows). Nothing of
+size Tq x Tk exists.
+
+The softmax scale rides in P: the preprocess shifts lse2 by log2(s) (s = softmax_scale for
+bfloat16, 1 for float16: ``bwd_interface.fold_scale``), so the exponentials give s * P,
+and dS = s * P * (dP - delta) already carries the scale that dQ and dK need: no multiply per
+block. dV = (s P)^T dO is divided by s once, at the end (``dv_scale`` = 1 / s); ``grad_scale``
+(softmax_scale / s: 1 for bfloat16) multiplies dQ and dK only where it is not 1.
 
 Warp specialisation (384 threads):
   warpgroup 0, warp 0  TMA producer: K and V once, then Q with the block's lse2 and dO with
@@ -110,7 +117,8 @@ class FFABackwardSm90:
         heads_per_cta: Int32,  # q heads one CTA walks (a divisor of Hq / Hk)
         scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
-        softmax_scale: Float32,
+        grad_scale: Float32,  # softmax_scale / the scale folded into P (1.0 for a positive scale)
+        dv_scale: Float32,  # 1 / the scale folded into P
         flags: Int32,
         stream: cuda.CUstream,
     ):
@@ -201,7 +209,7 @@ class FFABackwardSm90:
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
             mLSE2, mDelta, mdK, mdV, mWork, mEnt, mRanks, mSem, mSemKV,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            scale_log2, score_premul, softmax_scale, num_heads_q // num_heads_k, heads_per_cta, num_work,
+            scale_log2, score_premul, grad_scale, dv_scale, num_heads_q // num_heads_k, heads_per_cta, num_work,
             num_heads_q // heads_per_cta, flags, SharedStorage,
         ).launch(
             grid=[num_work * (num_heads_q // heads_per_cta), 1, 1],
@@ -243,7 +251,8 @@ class FFABackwardSm90:
         tiled_mma_dq: cute.TiledMma,
         scale_log2: Float32,
         score_premul: Float32,
-        softmax_scale: Float32,
+        grad_scale: Float32,
+        dv_scale: Float32,
         qhead_per_kvhead: Int32,
         heads_per_cta: Int32,
         num_work: Int32,
@@ -304,7 +313,8 @@ class FFABackwardSm90:
             self.consumer(
                 tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
-                n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
+                n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
+                dkv_turn,
             )  # fmt: skip
 
     @cute.jit
@@ -365,7 +375,8 @@ class FFABackwardSm90:
     def consumer(
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
-        n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, softmax_scale, dkv_sem, dkv_turn,
+        n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
+                dkv_turn,
     ):  # fmt: skip
         cfg = self.cfg
         D = self.hdim
@@ -436,7 +447,7 @@ class FFABackwardSm90:
                             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
                             tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS,
                             tdQrKt, store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ, pipe_q, pipe_do,
-                            q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, softmax_scale,
+                            q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, grad_scale,
                         )  # fmt: skip
                         q_state.advance()
                         do_state.advance()
@@ -448,7 +459,7 @@ class FFABackwardSm90:
                 while load_acquire_i32(dkv_sem) != dkv_turn:
                     pass
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
-        self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale)
+        self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale)
         if cutlass.const_expr(self.deterministic and not self.dkv_store):
             # every consumer's adds precede the barrier, which precedes the release
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
@@ -461,7 +472,7 @@ class FFABackwardSm90:
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, acc_shape_sdp, acc_shape_dq,
         tSrK, tSrQ, tPrV, tPrdO, tdVrdOt, tdKrQt, tdVrP, tdKrdS, acc_dV, acc_dK, tdQrdS, tdQrKt,
         store_atom, thr_store, tdSsdS, tScS, t0ScS, tdQsdQ,
-        pipe_q, pipe_do, q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, softmax_scale,
+        pipe_q, pipe_do, q_state, do_state, sLSE2, sDelta, scale_log2, score_premul, grad_scale,
     ):  # fmt: skip
         """One q block (rows qb .. qb + tile_m) against this CTA's keys; the caller advances
         the pipeline states."""
@@ -524,19 +535,20 @@ class FFABackwardSm90:
         wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_state.index], False, -1)
         warpgroup.wait_group(1)
         pipe_do.consumer_release(do_state)
-        self.add_dq(ctid, acc_dQ, tdQsdQ, softmax_scale)
+        self.add_dq(ctid, acc_dQ, tdQsdQ, grad_scale)
         warpgroup.wait_group(0)  # dK
         pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def add_dq(self, ctid, acc_dQ, tdQsdQ, softmax_scale):
-        """This warpgroup's float32 dQ tile in shared memory = softmax_scale * dQ, for the dQ
+    def add_dq(self, ctid, acc_dQ, tdQsdQ, grad_scale):
+        """This warpgroup's float32 dQ tile in shared memory = grad_scale * dQ, for the dQ
         writer warp to add to dq_acc: wait until the tile is free, write, signal it full."""
         wg_idx = ctid // 128
         threads = 128 + cute.arch.WARP_SIZE
         cute.arch.barrier(barrier_id=int(NamedBarrier.DQEmptyWG1) + wg_idx, number_of_threads=threads)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            acc_dQ[i] = acc_dQ[i] * softmax_scale
+        if grad_scale != 1.0:  # uniform; float16 does not fold the scale into P
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                acc_dQ[i] = acc_dQ[i] * grad_scale
         # vector stores where the layouts allow (a thread's adjacent columns are 8 bytes apart
         # in the swizzled tile too)
         cute.autovec_copy(acc_dQ, tdQsdQ)
@@ -609,9 +621,10 @@ class FFABackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)  # the last reductions land before exit
 
     @cute.jit
-    def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, softmax_scale):
+    def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale):
         """The rows of this tile of dk / dv = (``dkv_store``) or += the register accumulators (dK
-        times softmax_scale). Added: other CTAs (other q heads of the GQA group) may add to the
+        times ``grad_scale``, dV times ``dv_scale``: the scale folded into P, see the module
+        docstring). Added: other CTAs (other q heads of the GQA group) may add to the
         same rows, so the adds are atomic."""
         thr_dkv = tiled_mma_dkv.get_slice(ctid)
         cdKV = acc_rows_cols(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim))))
@@ -627,12 +640,14 @@ class FFABackwardSm90:
                 off = cutlass.Int64(row) * row_stride
                 for c in cutlass.range_constexpr(0, cute.size(dk, mode=[1]), 2):
                     col = cdKV[r, c][1]
-                    dk0 = dk[r, c] * softmax_scale
-                    dk1 = dk[r, c + 1] * softmax_scale
+                    dk0 = dk[r, c] * grad_scale
+                    dk1 = dk[r, c + 1] * grad_scale
+                    dv0 = dv[r, c] * dv_scale
+                    dv1 = dv[r, c + 1] * dv_scale
                     if cutlass.const_expr(self.dkv_store):
                         is_bf16 = self.dtype == cutlass.BFloat16
                         store_pair_16bit(base_k + off + col, dk0, dk1, is_bf16)
-                        store_pair_16bit(base_v + off + col, dv[r, c], dv[r, c + 1], is_bf16)
+                        store_pair_16bit(base_v + off + col, dv0, dv1, is_bf16)
                     else:
                         red_add_f32x2(base_k + off + col, dk0, dk1)
-                        red_add_f32x2(base_v + off + col, dv[r, c], dv[r, c + 1])
+                        red_add_f32x2(base_v + off + col, dv0, dv1)
