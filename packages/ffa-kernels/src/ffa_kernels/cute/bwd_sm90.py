@@ -83,6 +83,10 @@ class FFABackwardSm90:
         # warpgroup's dQ is a (64, dq_cols) wgmma tile, its own float32 tile in shared memory.
         self.dq_split_rows = cfg.tile_m > 64
         self.dq_cols = cfg.head_dim if self.dq_split_rows else cfg.head_dim // cfg.num_mma_wg
+        # dV's GEMM issued before the wait for dP^T (block_step): its P operand then lives
+        # through dS; 128-row blocks (D 64) and softcap's tanh derivatives leave no registers
+        # for that (ptxas spills, and serialises the wgmmas at 128 rows)
+        self.early_dv = cfg.tile_m <= 64 and not has_softcap
         # a block's lse2 / delta: a bulk copy needs a 16-byte aligned source, so it starts at the
         # block's first row rounded down to 4 and takes STAT_PAD more values
         self.stat_cols = cfg.tile_m + STAT_PAD
@@ -508,8 +512,14 @@ class FFABackwardSm90:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - lse2, fastmath=True)
         tdVrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-
-        warpgroup.wait_group(0)  # dP^T
+        if cutlass.const_expr(self.early_dv):
+            # dV's GEMM goes in right behind dP^T's: the tensor cores have it while this
+            # warpgroup computes dS, and ptxas cannot hoist the wait below above the
+            # exponentials (it did: 6 of 32 ex2 ran before it, the rest after dP^T was done)
+            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_state.index], False, -1)
+            warpgroup.wait_group(1)  # dP^T (dV may still run)
+        else:
+            warpgroup.wait_group(0)  # dP^T
         dp = acc_rows_cols(acc_dP)
         for c in cutlass.range_constexpr(ncol):
             delta = sDelta_blk[shift + tScS[0, c][1]]
@@ -522,18 +532,19 @@ class FFABackwardSm90:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
 
-        # dS^T -> this block's dS buffer (double-buffered: see the module docstring); dV's GEMM
-        # needs only this warpgroup's registers, so it runs while the warpgroups meet
+        # dS^T -> this block's dS buffer (double-buffered: see the module docstring)
         ds_idx = q_state.index % 2
         cute.copy(store_atom, thr_store.retile(rdS), tdSsdS[None, None, None, ds_idx])
-        wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_state.index], False, -1)
+        if cutlass.const_expr(not self.early_dv):
+            # dV's GEMM needs only this warpgroup's registers: it runs while the warpgroups meet
+            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_state.index], False, -1)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=128 * cfg.num_mma_wg)
 
         acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
         wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, -1)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_state.index], False, -1)
-        warpgroup.wait_group(1)
+        warpgroup.wait_group(1)  # dV and dQ
         pipe_do.consumer_release(do_state)
         self.add_dq(ctid, acc_dQ, tdQsdQ, grad_scale)
         warpgroup.wait_group(0)  # dK
