@@ -137,7 +137,7 @@ def _inputs(q_ranges, k_ranges, types, tq, tk, hq, hk, d, dtype, softcap, seed, 
 
 def run_bwd_whole_case(
     q_ranges, k_ranges, types, tq, tk, hq=4, hk=4, d=128, dtype=torch.bfloat16, softcap=0.0, seed=0,
-    heads_per_cta=None, deterministic=False,
+    heads_per_cta=None, deterministic=False, config=None,
 ):  # fmt: skip
     """`cute_backward` (gradients in the input dtype; dK/dV stored by the kernel when one CTA
     walks the whole GQA group) against the oracle; rows / keys nothing covers are exactly 0;
@@ -150,7 +150,7 @@ def run_bwd_whole_case(
     scale = d**-0.5
     poison_allocator(8 * max(tq, tk) * hq * d * 4)
     grads = cute_backward(q, k, v, dout, out, lse, *ranges, softmax_scale=scale, softcap=softcap,
-                          heads_per_cta=heads_per_cta, deterministic=deterministic)  # fmt: skip
+                          heads_per_cta=heads_per_cta, deterministic=deterministic, config=config)  # fmt: skip
     torch.cuda.synchronize()
     ref = oracle_grads(q, k, v, dout, q_ranges, k_ranges, types, scale, softcap)
     lowp = lowprec_grads(q, k, v, dout, mask, scale, softcap)
@@ -163,7 +163,7 @@ def run_bwd_whole_case(
     if deterministic:  # bitwise the same on two more runs
         for _ in range(2):
             again = cute_backward(q, k, v, dout, out, lse, *ranges, softmax_scale=scale, softcap=softcap,
-                                  heads_per_cta=heads_per_cta, deterministic=True)  # fmt: skip
+                                  heads_per_cta=heads_per_cta, deterministic=True, config=config)  # fmt: skip
             for name, a, b in zip(("dq", "dk", "dv"), grads, again):
                 assert torch.equal(a, b), f"{name} differs between deterministic runs"
 
@@ -235,6 +235,26 @@ def test_bwd_softmax_scales(dtype, scale):
     run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=64, dtype=dtype, scale=scale)
     qr, kr, ty, t = varlen_slices([1, 77, 300, 129], 1)
     run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, dtype=dtype, scale=scale, softcap=20.0 if scale > 0.1 else 0.0)
+
+
+@requires_sm90
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_80_row_blocks(deterministic):
+    """80-row q blocks at D 128 (dQ computed transposed, dQ^T = K^T dS^T): full, causal,
+    documents, random slices sharing q rows, GQA, fp16; the whole-call backward too."""
+    from ffa_kernels.cute.config import BwdConfig
+
+    cfg = BwdConfig(head_dim=128, tile_m=80)
+    if not deterministic:
+        run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, config=cfg)
+        run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, dtype=torch.float16, hq=8, hk=2, config=cfg)
+        qr, kr, ty, t = varlen_slices([1, 77, 300, 129, 513], 1)
+        run_bwd_case(qr, kr, ty, t, t, config=cfg)
+        rng = random.Random(11)
+        qr, kr, ty = random_slices(rng, 900, 1100, 5)
+        run_bwd_case(qr, kr, ty, 900, 1100, config=cfg)
+    qr, kr, ty, t = varlen_slices([300, 500, 161], 0)
+    run_bwd_whole_case(qr, kr, ty, t, t, hq=4, hk=2, deterministic=deterministic, config=cfg)
 
 
 @requires_sm90

@@ -128,7 +128,7 @@ def test_deterministic_order_never_waits_in_lockstep(seed, mask):
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 64)])
+@pytest.mark.parametrize("tiles", [(128, 128), (64, 32), (128, 64), (128, 80)])
 @pytest.mark.parametrize("backward", [False, True])
 def test_plan_covers_mask_exactly(seed, tiles, backward):
     """The forward plan (row tiles = q tiles) and the backward's (the forward's construction on
@@ -416,13 +416,38 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
     # 128-row q blocks at D 64 (the dQ GEMM split by rows)
     from ffa_kernels.cute.config import BwdConfig
 
-    cfg = BwdConfig(head_dim=64, tile_m=128)
-    compile_cache.forget(bwd_interface.bwd_compile_key(torch.bfloat16, cfg, False, False))
-    fn = bwd_interface.get_bwd_kernel(torch.bfloat16, cfg, False, False)
-    assert kernel_args.packed_matches_dsl(
-        fn, bwd_interface.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
-    )
-    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 5
+    # and 80-row q blocks at D 128 (dQ computed transposed)
+    for cfg in (BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=128, tile_m=80)):
+        compile_cache.forget(bwd_interface.bwd_compile_key(torch.bfloat16, cfg, False, False))
+        fn = bwd_interface.get_bwd_kernel(torch.bfloat16, cfg, False, False)
+        assert kernel_args.packed_matches_dsl(
+            fn, bwd_interface.bwd_arg_spec(False), compile_cache.dtype_of(torch.bfloat16)
+        )
+    assert len(list(tmp_path.rglob("*.o"))) == len(BWD_VARIANTS) + 6
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(head_dim=128), dict(head_dim=128, tile_m=80), dict(head_dim=64), dict(head_dim=64, tile_m=128)],
+)
+def test_bwd_config_smem(kw):
+    """BwdConfig.smem_bytes() is what the compiled kernel's SharedStorage takes (read off the
+    struct while it traces), and fits sm90's 227 KiB with the 1 KiB static part."""
+    pytest.importorskip("cutlass")
+    from ffa_kernels.cute import bwd_sm90
+    from ffa_kernels.cute.config import BWD_STATIC_SMEM_BYTES, SM90_SMEM_BYTES, BwdConfig
+
+    cfg = BwdConfig(**kw)
+    assert cfg.smem_bytes() + BWD_STATIC_SMEM_BYTES <= SM90_SMEM_BYTES
+    assert bwd_sm90.shared_storage_bytes(cfg) == cfg.smem_bytes()
+
+
+def test_bwd_config_rejects_too_much_smem():
+    pytest.importorskip("cutlass")
+    from ffa_kernels.cute.config import BwdConfig
+
+    with pytest.raises(AssertionError, match="shared memory"):
+        BwdConfig(head_dim=128, tile_m=80, num_stages=4)
 
 
 def test_source_hash_covers_every_kernel_module():

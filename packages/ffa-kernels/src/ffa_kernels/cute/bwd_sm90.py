@@ -81,11 +81,15 @@ class FFABackwardSm90:
         # dQ = dS K: with 64-row q blocks each consumer warpgroup computes 64 rows x D / num_wg
         # columns; with 64 * num_wg-row blocks (D 64), 64 rows x all D columns. Either way one
         # warpgroup's dQ is a (64, dq_cols) wgmma tile, its own float32 tile in shared memory.
-        self.dq_split_rows = cfg.tile_m > 64
+        # With 80-row blocks (not a multiple of the wgmma M) dQ^T = K^T dS^T is computed
+        # instead: M = the head dim, 64 columns of dQ per warpgroup, all the block's rows.
+        self.dq_swap = cfg.tile_m % 64 != 0
+        self.dq_split_rows = cfg.tile_m == 64 * cfg.num_mma_wg
         self.dq_cols = cfg.head_dim if self.dq_split_rows else cfg.head_dim // cfg.num_mma_wg
+        self.dq_rows = cfg.tile_m if self.dq_swap else 64  # rows of one warpgroup's dQ tile
         # dV's GEMM issued before the wait for dP^T (block_step): its P operand then lives
-        # through dS; 128-row blocks (D 64) and softcap's tanh derivatives leave no registers
-        # for that (ptxas spills, and serialises the wgmmas at 128 rows)
+        # through dS; 80- and 128-row blocks and softcap's tanh derivatives leave no registers
+        # for that (ptxas spills, and serialises the wgmmas at 80 and 128 rows)
         self.early_dv = cfg.tile_m <= 64 and not has_softcap
         # a block's lse2 / delta: a bulk copy needs a 16-byte aligned source, so it starts at the
         # block's first row rounded down to 4 and takes STAT_PAD more values
@@ -166,18 +170,16 @@ class FFABackwardSm90:
             self.dtype, (cfg.num_mma_wg, 1, 1), (64, D), b_transposed=True, a_in_registers=True
         )
         # dQ = dS K: M = the block's q rows, split over the warpgroups by rows or by columns
-        dq_cols = self.dq_cols
-        dq_atoms = (cfg.num_mma_wg, 1, 1) if self.dq_split_rows else (1, cfg.num_mma_wg, 1)
-        tiled_mma_dq = tiled_wgmma(self.dtype, dq_atoms, (64, dq_cols), b_transposed=True)
-        sQ_layout = smem_layout(self.dtype, self.tile_m, D, cfg.num_stages)
-        # K is read MN-major by the dQ GEMM in head-dim slices of dq_cols columns
-        sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=dq_cols)
-        sV_layout = smem_layout(self.dtype, self.tile_n, D, None)
-        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
-        # dQ in float32: one contiguous (64, dq_cols) tile per warpgroup, which one TMA
-        # reduce-add adds to dq_acc
-        sdQ_wg_layout = smem_layout(Float32, 64, dq_cols, None, atom_cols=32)
-        sdQ_layout = smem_layout(Float32, 64, dq_cols, cfg.num_mma_wg, atom_cols=32)
+        dq_cols, dq_rows = self.dq_cols, self.dq_rows
+        if cutlass.const_expr(self.dq_swap):
+            # dQ^T = K^T dS^T: A = K read MN-major, B = dS (K-major), M = head-dim columns
+            tiled_mma_dq = tiled_wgmma(
+                self.dtype, (cfg.num_mma_wg, 1, 1), (dq_cols, self.tile_m), a_transposed=True
+            )
+        else:
+            dq_atoms = (cfg.num_mma_wg, 1, 1) if self.dq_split_rows else (1, cfg.num_mma_wg, 1)
+            tiled_mma_dq = tiled_wgmma(self.dtype, dq_atoms, (64, dq_cols), b_transposed=True)
+        sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_wg_layout, sdQ_layout = self.smem_layouts()
 
         op = cpasync.CopyBulkTensorTileG2SOp()
         row_tile = cute.select(sQ_layout, mode=[0, 1])
@@ -187,7 +189,7 @@ class FFABackwardSm90:
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(op, mVt, sV_layout, (self.tile_n, D), 1)
         mdQt = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=[0, 2, 1]))
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (64, dq_cols)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (dq_rows, dq_cols)
         )
         elem_bytes = self.dtype.width // 8
         self.bytes_q = self.tile_m * D * elem_bytes
@@ -195,19 +197,7 @@ class FFABackwardSm90:
         self.bytes_stats = self.stat_cols * 4
         self.bytes_kv = 2 * self.tile_n * D * elem_bytes
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, cfg.num_stages * 2]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_cols * cfg.num_stages], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.stat_cols * cfg.num_stages], 128]
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout)
 
         self.kernel(
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
@@ -221,6 +211,47 @@ class FFABackwardSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def smem_layouts(self):
+        """Shared-memory layouts (traced): Q / dO stages, K, V, the two dS buffers, one
+        warpgroup's float32 dQ tile and all of them."""
+        cfg, D = self.cfg, self.hdim
+        sQ_layout = smem_layout(self.dtype, self.tile_m, D, cfg.num_stages)
+        # K is read MN-major by the dQ GEMM in head-dim slices of dq_cols columns
+        sK_layout = smem_layout(self.dtype, self.tile_n, D, None, atom_cols=self.dq_cols)
+        sV_layout = smem_layout(self.dtype, self.tile_n, D, None)
+        sdS_layout = smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
+        # dQ in float32: one contiguous (dq_rows, dq_cols) tile per warpgroup, which one TMA
+        # reduce-add adds to dq_acc
+        sdQ_wg_layout = smem_layout(Float32, self.dq_rows, self.dq_cols, None, atom_cols=32)
+        sdQ_layout = smem_layout(Float32, self.dq_rows, self.dq_cols, cfg.num_mma_wg, atom_cols=32)
+        return sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_wg_layout, sdQ_layout
+
+    def shared_storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
+        """The kernel's shared-memory struct (traced); config.BwdConfig.smem_bytes() is its size."""
+        cfg = self.cfg
+        stats = self.stat_cols * cfg.num_stages
+
+        ms = cute.struct.MemRange
+        fields = {
+            "mbar_kv": ms[cutlass.Int64, 2],
+            "mbar_q": ms[cutlass.Int64, cfg.num_stages * 2],
+            "mbar_do": ms[cutlass.Int64, cfg.num_stages * 2],
+            # the small arrays first: they fill the gap before the 1024-aligned tiles (80-row
+            # blocks need every byte: 227 KiB with the tiles, 1 KiB of it static)
+            "sLSE2": cute.struct.Align[ms[Float32, stats], 128],
+            "sDelta": cute.struct.Align[ms[Float32, stats], 128],
+            "sK": cute.struct.Align[ms[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": cute.struct.Align[ms[self.dtype, cute.cosize(sV_layout)], 1024],
+            "sQ": cute.struct.Align[ms[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sdO": cute.struct.Align[ms[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sdS": cute.struct.Align[ms[self.dtype, cute.cosize(sdS_layout)], 1024],
+            "sdQ": cute.struct.Align[ms[Float32, cute.cosize(sdQ_layout)], 1024],
+        }
+        # built from a dict: this module's annotations are strings (PEP 563), which the struct
+        # decorator cannot resolve against this method's locals
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return SharedStorage
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -404,10 +435,15 @@ class FFABackwardSm90:
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, D)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        # dQ operands
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(smem_transpose(sK)))
-        acc_shape_dq = wg_dq.partition_shape_C((self.tile_m, D))
+        # dQ operands (the dQ^T GEMM: K^T as A, dS as B)
+        if cutlass.const_expr(self.dq_swap):
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(smem_transpose(sK)))
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            acc_shape_dq = wg_dq.partition_shape_C((D, self.tile_m))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(smem_transpose(sK)))
+            acc_shape_dq = wg_dq.partition_shape_C((self.tile_m, D))
         # dS^T registers -> dS in shared memory (transposing stmatrix)
         store_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
@@ -417,12 +453,20 @@ class FFABackwardSm90:
 
         tScS = score_coords(thr_sdp, self.tile_n, self.tile_m)
         t0ScS = score_coords(tiled_mma_sdp.get_slice(0), self.tile_n, self.tile_m)
-        # this warpgroup's (64, dq_cols) dQ tile: the C layout of one warpgroup's wgmma
-        tdQsdQ = (
-            tiled_wgmma(self.dtype, (1, 1, 1), (64, self.dq_cols), b_transposed=True)
-            .get_slice(ctid % 128)
-            .partition_C(sdQ[None, None, wg_idx])
-        )
+        # this warpgroup's (dq_rows, dq_cols) dQ tile: the C layout of one warpgroup's wgmma
+        # (dQ^T's: the tile seen transposed, one float per store)
+        if cutlass.const_expr(self.dq_swap):
+            tdQsdQ = (
+                tiled_wgmma(self.dtype, (1, 1, 1), (self.dq_cols, self.tile_m), a_transposed=True)
+                .get_slice(ctid % 128)
+                .partition_C(smem_transpose(sdQ[None, None, wg_idx]))
+            )
+        else:
+            tdQsdQ = (
+                tiled_wgmma(self.dtype, (1, 1, 1), (64, self.dq_cols), b_transposed=True)
+                .get_slice(ctid % 128)
+                .partition_C(sdQ[None, None, wg_idx])
+            )
 
         kv_state = make_pipeline_state(PipelineUserType.Consumer, 1)
         q_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
@@ -542,7 +586,10 @@ class FFABackwardSm90:
         cute.arch.barrier(barrier_id=int(NamedBarrier.PdS), number_of_threads=128 * cfg.num_mma_wg)
 
         acc_dQ = cute.make_rmem_tensor(acc_shape_dq, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, -1)
+        if cutlass.const_expr(self.dq_swap):
+            wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, ds_idx], True, -1)
+        else:
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ds_idx], tdQrKt, True, -1)
         wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_state.index], False, -1)
         warpgroup.wait_group(1)  # dV and dQ
         pipe_do.consumer_release(do_state)
@@ -611,7 +658,7 @@ class FFABackwardSm90:
                         sdQ_wg = sdQ[None, None, wg]
                         gdQ = cute.local_tile(
                             cute.domain_offset((qb, 0), gdQ_head),
-                            (64, dq_cols),
+                            (self.dq_rows, dq_cols),
                             (wg, 0) if self.dq_split_rows else (0, wg),
                         )
                         s_part, g_part = cpasync.tma_partition(
@@ -662,3 +709,18 @@ class FFABackwardSm90:
                     else:
                         red_add_f32x2(base_k + off + col, dk0, dk1)
                         red_add_f32x2(base_v + off + col, dv0, dv1)
+
+
+def shared_storage_bytes(cfg: BwdConfig, dtype=cutlass.BFloat16) -> int:
+    """Bytes of the backward's shared-memory struct for ``cfg``, read off the struct while a
+    small function traces (no kernel is compiled): the check of BwdConfig.smem_bytes()."""
+    found: list[int] = []
+    kernel = FFABackwardSm90(dtype, cfg, has_softcap=False, dkv_store=True)
+
+    @cute.jit
+    def probe():
+        sq, sk, sv, sds, _, sdq = kernel.smem_layouts()
+        found.append(int(kernel.shared_storage(sq, sk, sv, sds, sdq).size_in_bytes()))
+
+    cute.compile(probe)
+    return found[0]

@@ -21,6 +21,9 @@ FWD_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 
 # dynamic shared memory one CTA may use on sm90 (227 KiB)
 SM90_SMEM_BYTES = 227 * 1024
+# static shared memory of the compiled backward (cuobjdump -res-usage: SHARED 1024), which
+# counts against the same 227 KiB
+BWD_STATIC_SMEM_BYTES = 1024
 
 
 class _KernelConfig:
@@ -126,7 +129,9 @@ class BwdConfig(_KernelConfig):
 
     A CTA owns ``tile_n`` keys of one K/V head (``tile_n / num_mma_wg`` per consumer warpgroup)
     and walks ``tile_m``-row q blocks; with tile_m = 64 (one wgmma M) the dQ GEMM splits the
-    head dim over the warpgroups.
+    head dim over the warpgroups; with 128 (D 64) the rows; with 80 (D 128: FA3's tile for
+    masks without causal structure, 25% more rows per shared-memory read of the S^T / dP^T
+    GEMMs) it runs transposed, dQ^T = K^T dS^T, the head dim split over the warpgroups as M.
     """
 
     head_dim: int = 128
@@ -141,12 +146,30 @@ class BwdConfig(_KernelConfig):
         assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
         assert self.num_mma_wg == 2, "the dQ GEMM splits the head dim over 2 consumer warpgroups"
         assert self.tile_n == 64 * self.num_mma_wg
-        assert self.tile_m in (64, 64 * self.num_mma_wg)  # dQ split over the warpgroups by columns / rows
+        # dQ split over the warpgroups by columns / rows, or computed transposed (80)
+        assert self.tile_m in (64, 64 * self.num_mma_wg) or (self.tile_m == 80 and self.head_dim == 128)
         # the dS tile is double-buffered by block parity, read off the Q stage index
         assert self.num_stages % 2 == 0
         # setmaxnreg moves registers between the warpgroups of a CTA launched with 65536 / 384
         # = 168 per thread: an increase beyond what the decrease freed would wait forever
         assert self.producer_regs + self.num_mma_wg * self.mma_regs <= 168 * (self.num_mma_wg + 1)
+        assert self.smem_bytes() <= SM90_SMEM_BYTES - BWD_STATIC_SMEM_BYTES, (
+            f"the backward's tiles need {self.smem_bytes()} bytes of shared memory, more than "
+            f"{SM90_SMEM_BYTES - BWD_STATIC_SMEM_BYTES}"
+        )
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Dynamic shared memory of the backward's storage (bwd_sm90.SharedStorage): the
+        barriers and the per-stage lse2 / delta first, then K, V, the Q and dO stages, the two
+        dS buffers and the float32 dQ tiles (tile_m x head_dim in all), each 1024-byte aligned."""
+        small = 8 * (2 + 4 * self.num_stages) + 2 * 4 * (self.tile_m + STAT_PAD) * self.num_stages
+        tiles = (
+            2 * self.tile_n * self.head_dim * elem_bytes
+            + 2 * self.num_stages * self.tile_m * self.head_dim * elem_bytes
+            + 2 * self.tile_m * self.tile_n * elem_bytes
+            + self.tile_m * self.head_dim * 4
+        )
+        return -(-small // 1024) * 1024 + tiles
 
 
 @functools.cache

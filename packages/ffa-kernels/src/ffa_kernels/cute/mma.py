@@ -15,18 +15,19 @@ def tiled_wgmma(
     atom_layout_mnk: tuple,
     tiler_mn: tuple,
     *,
+    a_transposed: bool = False,
     b_transposed: bool = False,
     a_in_registers: bool = False,
 ):
     """A float32-accumulating wgmma of ``dtype`` operands over the warpgroups ``atom_layout_mnk``
     (each computing a ``tiler_mn`` tile). A is K-major (from shared memory, or from registers
-    with ``a_in_registers``); B is K-major, or MN-major with ``b_transposed`` (a row-major tile
-    read as its transpose)."""
+    with ``a_in_registers``), or MN-major with ``a_transposed``; B is K-major, or MN-major with
+    ``b_transposed`` (a row-major tile read as its transpose)."""
     major = warpgroup.OperandMajorMode
     return sm90_helpers.make_trivial_tiled_mma(
         dtype,
         dtype,
-        major.K,
+        major.MN if a_transposed else major.K,
         major.MN if b_transposed else major.K,
         Float32,
         atom_layout_mnk=atom_layout_mnk,
