@@ -13,7 +13,7 @@ import torch
 
 from ffa_kernels import testing
 from ffa_kernels.cute.config import default_config
-from ffa_kernels.cute.tile_plan import build_plan_cpu
+from ffa_kernels.cute.tile_plan import build_plan_cpu, plan_cost
 
 
 def dense_mask(q_ranges, k_ranges, types, tq, tk):
@@ -22,14 +22,17 @@ def dense_mask(q_ranges, k_ranges, types, tq, tk):
 
 
 def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
-    """Replay the kernel's block loop and band masks; returns how often each cell is counted.
+    """Replay the kernel's block loop and band masks; returns how often each cell is counted
+    (rows from a work tile's m_end on are computed but never stored: not counted, no mask
+    needed there).
 
-    every_tile: the forward plan has a work tile for every row tile (the backward's drops the
-    empty ones and launches only tiles with blocks)."""
+    every_tile: the forward plan has a work tile for every row tile, and those tiles partition
+    the rows (the backward's drops the empty ones and launches only tiles with blocks)."""
     cov = torch.zeros(tq, tk, dtype=torch.int32)
-    seen_tiles = set()
-    for m0, e0, e1, nb in work.tolist():
-        seen_tiles.add(m0)
+    tiles = []
+    for m0, e0, e1, nb, m_end in work.tolist():
+        assert m0 < m_end <= min(m0 + tile_m, tq), (m0, m_end)
+        tiles.append((m0, m_end))
         total = 0
         for e in range(e0, e1):
             k_lo, nblk, ks, ke, lo, hi, qs, qe, jf_lo, jf_hi = entries[e].tolist()[:10]
@@ -41,18 +44,20 @@ def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
                 cols = torch.arange(kb, kb + tile_n).unsqueeze(0)
                 d = cols - rows
                 keep = (cols >= ks) & (cols < ke) & (rows >= qs) & (rows < qe) & (d >= lo) & (d <= hi)
-                keep &= (rows < tq) & (cols < tk) & (cols >= 0)
-                if jf_lo <= j < jf_hi:  # planned as unmasked: every cell must be covered
-                    assert bool(keep.all()), (m0, e, j)
+                keep &= (rows < m_end) & (cols < tk) & (cols >= 0)
+                if jf_lo <= j < jf_hi:  # planned as unmasked: every stored cell must be covered
+                    assert bool(keep[: m_end - m0].all()), (m0, e, j)
                 r, c = torch.nonzero(keep, as_tuple=True)
                 cov[rows[r, 0], cols[0, c]] += 1
         assert total == nb
     if every_tile:
-        assert seen_tiles == set(range(0, tq, tile_m)), "every q tile must be a work tile"
+        tiles.sort()
+        assert tiles[0][0] == 0 and tiles[-1][1] == tq, "the work tiles cover every row"
+        assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])), "the work tiles partition the rows"
     else:
         assert bool((work[:, 3] > 0).all()), "a work tile with no block is not launched"
-    assert len(seen_tiles) == work.shape[0], "one work tile per row tile"
-    assert all(m0 % tile_m == 0 for m0 in seen_tiles), "work tiles lie on the tile grid"
+        assert all(m0 % tile_m == 0 for m0, _ in tiles), "key tiles lie on the tile grid"
+    assert len({m0 for m0, _ in tiles}) == work.shape[0], "one work tile per row tile"
     return cov
 
 
@@ -79,7 +84,7 @@ def test_deterministic_bwd_plan_is_aligned_and_ranked(seed):
     n_work = work.shape[0]
     seen: dict[int, int] = {}
     v = 0
-    for w, (_, e0, e1, _) in enumerate(work.tolist()):
+    for w, (_, e0, e1, *_) in enumerate(work.tolist()):
         assert ranks[w] == n_work + v
         for e in range(e0, e1):
             q_lo, nblk = ent[e, 0].item(), ent[e, 1].item()
@@ -116,7 +121,7 @@ def test_deterministic_order_never_waits_in_lockstep(seed, mask):
     total = qr[-1][1]
     work, ent, _ = build_bwd_plan_cpu(t(qr), t(kr), t(ty), total, tile_n, tile_m, aligned=True)
     last_step: dict[int, int] = {}
-    for _, e0, e1, _ in work.tolist():
+    for _, e0, e1, *_ in work.tolist():
         step = 0
         for e in range(e0, e1):
             q_lo, nblk = ent[e, 0].item(), ent[e, 1].item()
@@ -168,11 +173,13 @@ def test_plan_full_blocks_are_found():
     )
     n_full = int((ent[:, 9] - ent[:, 8]).sum())
     assert n_full == 36 - 8
-    # full 1000 x 1000: rows of the last tile are < 128, the last k block is partial
-    _, ent, _ = build_plan_cpu(
-        torch.tensor([[0, 1000]]), torch.tensor([[0, 1000]]), torch.tensor([0]), 1000, 128, 128
-    )
+    # full 1000 x 1000: the last k block is partial; the last q tile has 104 rows: on the fixed
+    # grid its rows past the slice need the mask, as a segment tile (stopping at row 1000) not
+    full = (torch.tensor([[0, 1000]]), torch.tensor([[0, 1000]]), torch.tensor([0]), 1000, 128, 128)
+    _, ent, _ = build_plan_cpu(*full, segment_rows=False)
     assert int((ent[:, 9] - ent[:, 8]).sum()) == 7 * 7
+    _, ent, _ = build_plan_cpu(*full, segment_rows=True)
+    assert int((ent[:, 9] - ent[:, 8]).sum()) == 8 * 7
 
 
 def test_plan_empty_blocks_never_planned():
@@ -181,6 +188,47 @@ def test_plan_empty_blocks_never_planned():
         torch.tensor([[0, 1024]]), torch.tensor([[0, 1024]]), torch.tensor([1]), 1024, 128, 128
     )
     assert total == 36
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_tiles_start_at_documents(seed, causal):
+    """Documents (slices sharing no q rows, gaps between them): with per-document tiles the
+    plan's q tiles start at every document's first row and stop at its last and cover the mask
+    exactly; the default takes the cheaper of the two tilings (`plan_cost`); the grid is kept
+    where slices share rows."""
+    rng = random.Random(900 + seed)
+    tq = rng.randrange(200, 3000)
+    cuts = sorted(rng.sample(range(1, tq), rng.randrange(1, 12)))
+    bounds = [0, *cuts, tq]
+    docs = [[a, b] for a, b in zip(bounds[:-1], bounds[1:]) if rng.random() < 0.8]  # gaps: uncovered
+    if not docs:
+        docs = [[0, tq]]
+    ty = [1 if causal else 0] * len(docs)
+    ranges = (torch.tensor(docs), torch.tensor(docs), torch.tensor(ty))
+    seg = build_plan_cpu(*ranges, tq, 128, 128, segment_rows=True)
+    work, ent, _ = seg
+    cov = simulate_plan(work, ent, tq, tq, 128, 128)
+    assert torch.equal(cov, dense_mask(docs, docs, ty, tq, tq))
+    starts = set(work[:, 0].tolist())
+    assert all(a in starts for a, _ in docs), "a tile starts at every document's first row"
+    grid = build_plan_cpu(*ranges, tq, 128, 128, segment_rows=False)
+    chosen = build_plan_cpu(*ranges, tq, 128, 128)
+    want = seg if plan_cost(seg) < plan_cost(grid) else grid
+    assert all(torch.equal(a, b) for a, b in zip(chosen[:2], want[:2])) and chosen[2] == want[2]
+    cov = simulate_plan(chosen[0], chosen[1], tq, tq, 128, 128)
+    assert torch.equal(cov, dense_mask(docs, docs, ty, tq, tq))
+    # a case where per-document tiles plan more blocks (128 x 80, the head_dim 256 tile): the
+    # grid is kept
+    d4 = [[0, 178], [178, 740], [740, 1225], [1225, 2171]]
+    r4 = (torch.tensor(d4), torch.tensor(d4), torch.tensor([1] * 4))
+    seg4 = build_plan_cpu(*r4, 2171, 128, 80, segment_rows=True)
+    grid4 = build_plan_cpu(*r4, 2171, 128, 80, segment_rows=False)
+    assert seg4[2] > grid4[2] and build_plan_cpu(*r4, 2171, 128, 80)[2] == grid4[2]
+    # two slices sharing rows: the fixed grid
+    shared = (torch.tensor([[0, tq], [0, tq // 2]]), torch.tensor([[0, tq], [0, tq]]), torch.tensor([0, 0]))
+    work, _, _ = build_plan_cpu(*shared, tq, 128, 128)
+    assert all(m0 % 128 == 0 for m0 in work[:, 0].tolist())
 
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported: compile with no GPU

@@ -163,6 +163,59 @@ def test_varlen_each_type(typ):
     run_case(qr, kr, ty, t, t, d=128)
 
 
+def _short_documents(seed: int, tq: int) -> list[list[int]]:
+    """Documents of 1-300 rows, some rows between them in no document."""
+    rng = random.Random(seed)
+    docs, row = [], rng.randrange(0, 40)
+    while row < tq:
+        n = min(rng.choice([1, 5, 63, 64, 65, 127, 129, 200, 300]), tq - row)
+        docs.append([row, row + n])
+        row += n + rng.choice([0, 0, 0, 3, 130])
+    return docs
+
+
+@requires_sm90
+@pytest.mark.parametrize("typ", [0, 1])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_short_documents_on_segment_tiles(typ, d, monkeypatch):
+    """Short documents with gaps on per-document tiles (forced: tile_plan.SEGMENT_ROWS): the
+    plan's q tiles start at every document (tile_plan.row_tiles); a tile that stops before the
+    grid's end stores only its rows (from registers), the next tile's rows stay theirs (the
+    poisoned memory would show NaN), and the rows it computes past its end count toward no
+    max_logits. GQA, softcap and a sink."""
+    from ffa_kernels.cute import tile_plan
+    from ffa_kernels.cute.tile_plan import build_plan_cpu
+
+    monkeypatch.setattr(tile_plan, "SEGMENT_ROWS", True)
+    tq = 2000
+    qr = _short_documents(7 + typ, tq)
+    ty = [typ] * len(qr)
+    work, _, _ = build_plan_cpu(torch.tensor(qr), torch.tensor(qr), torch.tensor(ty), tq, 128, 128)
+    assert any(m0 % 128 for m0 in work[:, 0].tolist()), "the plan is expected to use segment tiles"
+    run_case(qr, qr, ty, tq, tq, hq=8, hk=2, d=d, softcap=20.0, max_logits=True, sink_layout="sh")
+    run_case(qr, qr, ty, tq, tq, hq=4, hk=4, d=d, dtype=torch.float16)
+
+
+@requires_sm90
+def test_short_documents_accumulate(monkeypatch):
+    """The accumulate epilogue on segment tiles (forced): two calls over the same short
+    documents (first and second half of each document's keys), rows of no document bitwise
+    untouched."""
+    from ffa_kernels.cute import tile_plan
+
+    monkeypatch.setattr(tile_plan, "SEGMENT_ROWS", True)
+    tq = 1500
+    docs = _short_documents(11, tq)
+    first = [[a, a + max(1, (b - a) // 2)] for a, b in docs]
+    second = [[a + max(1, (b - a) // 2), b] for a, b in docs if a + max(1, (b - a) // 2) < b]
+    calls = [(docs, first, [0] * len(docs))]
+    if second:
+        calls.append(
+            ([d for d in docs if d[0] + max(1, (d[1] - d[0]) // 2) < d[1]], second, [0] * len(second))
+        )
+    run_accumulate_case(calls, tq, tq, hq=8, hk=2, d=128, max_logits=True, poison_empty=True)
+
+
 @requires_sm90
 def test_shared_q_rows_mixed_types():
     qr = [[0, 300], [0, 300], [300, 310], [310, 600], [310, 600]]

@@ -62,7 +62,7 @@ from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
 from .pipeline import NamedBarrier, consumer_wait, tma_load_rows, tma_pipeline
 from .schedule import cta_work_and_head
-from .tile_plan import ENTRY_COLS
+from .tile_plan import ENTRY_COLS, WORK_COLS
 
 
 class FFABackwardSm90:
@@ -109,7 +109,7 @@ class FFABackwardSm90:
         ptr_dk: cute.Pointer,  # (Tk, Hk, D), rows dkv_row_stride apart: q's dtype, stored
         #                        (dkv_store), or f32, added to
         ptr_dv: cute.Pointer,  # (Tk, Hk, D), the same strides and dtype as dk
-        ptr_work: cute.Pointer,  # (W, 4) i32
+        ptr_work: cute.Pointer,  # (W, WORK_COLS) i32
         ptr_ent: cute.Pointer,  # (E, ENTRY_COLS) i32
         ptr_ranks: cute.Pointer,  # (W + V,) i32, tile_plan.visit_ranks (deterministic only)
         ptr_sem: cute.Pointer,  # (ceil(Tq / tile_m) * Hq + W * Hk,) i32 zeros (deterministic only)
@@ -148,7 +148,7 @@ class FFABackwardSm90:
         stat_layout = cute.make_layout((num_heads_q, stat_stride), stride=(cutlass.Int64(stat_stride), 1))
         mLSE2 = cute.make_tensor(ptr_lse2, stat_layout)
         mDelta = cute.make_tensor(ptr_delta, stat_layout)
-        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
+        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, WORK_COLS), stride=(WORK_COLS, 1)))
         mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
         mRanks = cute.make_tensor(ptr_ranks, cute.make_layout(num_work + total_q))  # the extent is unused
         num_qblk = (total_q + self.tile_m - 1) // self.tile_m

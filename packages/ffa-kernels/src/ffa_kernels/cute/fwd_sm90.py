@@ -19,7 +19,8 @@ partial ones get the band mask, empty ones are never planned (never loaded).
 
 Two epilogues, chosen at compile time (``accumulate``):
   normal      O in q.dtype through shared memory (Q's buffer, in O's own (tile_m, Dv) layout)
-              and one TMA store per tile, lse f32; every
+              and one TMA store per whole tile (a tile that stops early at m_end, a
+              per-document tile, stores its rows from registers), lse f32; every
               row of every q tile is written (uncovered rows: out = 0, lse = -inf);
   accumulate  O and lse are a float32 partial result already in global memory (out normalised,
               lse natural log). Each consumer thread reads its own fragment rows/columns,
@@ -37,6 +38,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
+from .atomics import store_pair_16bit
 from .config import FwdConfig
 from .masking import apply_band_mask, block_is_full, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -50,7 +52,7 @@ from .pipeline import (
 )
 from .schedule import cta_work_and_head
 from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_rows
-from .tile_plan import ENTRY_COLS
+from .tile_plan import ENTRY_COLS, WORK_COLS
 
 FLAG_HAS_SINK = 1
 FLAG_MAX_LOGITS = 2
@@ -81,7 +83,7 @@ class FFAForwardSm90:
         ptr_v: cute.Pointer,  # (Tk, Hk, Dv), rows v_row_stride elements apart, heads contiguous
         ptr_o: cute.Pointer,  # (Tq, Hq, Dv) contiguous; dtype (normal) or f32 accumulator (accumulate)
         ptr_lse: cute.Pointer,  # (Tq, Hq) f32 (accumulate: read and merged in place)
-        ptr_work: cute.Pointer,  # (W, 4) i32
+        ptr_work: cute.Pointer,  # (W, WORK_COLS) i32
         ptr_ent: cute.Pointer,  # (E, 8) i32
         ptr_sink: cute.Pointer,  # (Tq, Hq) f32, natural-log LSE of the sink logits (dummy if none)
         ptr_maxlogit: cute.Pointer,  # (Hq,) f32, -inf initialised (dummy if not requested)
@@ -108,7 +110,7 @@ class FFAForwardSm90:
         mV = cute.make_tensor(ptr_v, cute.make_layout((total_k, num_heads_k, Dv), stride=(v64, Dv, 1)))
         mO = cute.make_tensor(ptr_o, cute.make_layout((total_q, num_heads_q, Dv), stride=(hq64 * Dv, Dv, 1)))
         mLSE = cute.make_tensor(ptr_lse, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
-        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, 4), stride=(4, 1)))
+        mWork = cute.make_tensor(ptr_work, cute.make_layout((num_work, WORK_COLS), stride=(WORK_COLS, 1)))
         mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
         mSinkLse = cute.make_tensor(ptr_sink, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
         mMaxLogit = cute.make_tensor(ptr_maxlogit, cute.make_layout((num_heads_q,), stride=(1,)))
@@ -172,6 +174,7 @@ class FFAForwardSm90:
             tma_atom_v,
             tma_o,
             tma_atom_o,
+            mO,
             mLSE,
             mWork,
             mEnt,
@@ -210,6 +213,7 @@ class FFAForwardSm90:
         tma_atom_v: cute.CopyAtom,
         tma_o: cute.Tensor,
         tma_atom_o: cute.CopyAtom,
+        mO: cute.Tensor,
         mLSE: cute.Tensor,
         mWork: cute.Tensor,
         mEnt: cute.Tensor,
@@ -255,6 +259,7 @@ class FFAForwardSm90:
         e0 = mWork[w, 1]
         e1 = mWork[w, 2]
         nb_total = mWork[w, 3]
+        m_end = mWork[w, 4]  # rows m0 .. m_end - 1 are this tile's to store (tile_plan.row_tiles)
         head_kv = head // qhead_per_kvhead
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -270,7 +275,7 @@ class FFAForwardSm90:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
                 tidx - 128, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
+                tma_o, tma_atom_o, mO, mLSE, mEnt, mSinkLse, mMaxLogit, m0, m_end, e0, e1, nb_total, head,
                 scale_log2, score_premul, softmax_scale, flags,
             )  # fmt: skip
 
@@ -415,7 +420,7 @@ class FFAForwardSm90:
     @cute.jit
     def consumer(
         self, ctid, sQ, sK, sV, sO, pipe_q, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-        tma_o, tma_atom_o, mLSE, mEnt, mSinkLse, mMaxLogit, m0, e0, e1, nb_total, head,
+        tma_o, tma_atom_o, mO, mLSE, mEnt, mSinkLse, mMaxLogit, m0, m_end, e0, e1, nb_total, head,
         scale_log2, score_premul, softmax_scale, flags,
     ):  # fmt: skip
         cfg = self.cfg
@@ -509,21 +514,24 @@ class FFAForwardSm90:
         if cutlass.const_expr(self.accumulate):
             if nb_total > 0:  # a work tile with no entries leaves the accumulator untouched
                 self.epilogue_accumulate(
-                    ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, tma_o, mLSE, m0, head,
+                    ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, tma_o, mLSE, m0, m_end, head,
                     scale_log2, softmax_scale, track_max, mMaxLogit,
                 )  # fmt: skip
         else:
             self.epilogue_store(
-                ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
-                mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
+                ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, mO, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+                mSinkLse, mMaxLogit, m0, m_end, head, scale_log2, softmax_scale, flags, track_max,
             )  # fmt: skip
 
     @cute.jit
     def epilogue_store(
-        self, ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
-        mSinkLse, mMaxLogit, m0, head, scale_log2, softmax_scale, flags, track_max,
+        self, ctid, sO, tiled_mma_pv, tma_o, tma_atom_o, mO, acc_O, row_max, row_sum, raw_max, true_max, mLSE,
+        mSinkLse, mMaxLogit, m0, m_end, head, scale_log2, softmax_scale, flags, track_max,
     ):  # fmt: skip
-        """Normal epilogue: O (dtype) via smem + TMA store, lse f32; every row of the tile."""
+        """Normal epilogue: O (dtype) and lse f32 of the rows m0 .. m_end - 1. A tile that ends
+        where the grid would (m0 + tile_m, or Tq) goes through shared memory and one TMA store;
+        a segment tile that stops early (tile_plan.row_tiles) stores its rows from registers,
+        so the rows after m_end, another tile's, are left alone."""
         cfg = self.cfg
         num_rows = cute.size(row_max)
         thr_mma_pv = tiled_mma_pv.get_slice(ctid)
@@ -541,47 +549,66 @@ class FFAForwardSm90:
         row_lse = cute.make_rmem_tensor(num_rows, Float32)
         finalize(row_max, row_sum, scale_log2, sink_lse, row_inv, row_lse)
         rescale_rows(acc_O, row_inv)
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        # O: registers -> smem (sO: Q's buffer in O's layout; each warpgroup only overwrites its
-        # own 64 Q rows, which its own last GEMM has finished reading) -> one TMA store of the
-        # tile. Every row of the tile belongs to this work tile; rows past Tq are clipped by TMA.
-        store_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
-        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(ctid)
-        cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
-        if ctid < 32:
-            gO = cute.local_tile(
-                cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim_v), (0, 0)
+        # the grid's tile end (rows past Tq are clipped by the TMA unit); before it: a segment tile
+        whole_tile = m_end >= cutlass.min(m0 + self.tile_m, total_q)
+        if whole_tile:
+            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
+            # O: registers -> smem (sO: Q's buffer in O's layout; each warpgroup only overwrites
+            # its own 64 Q rows, which its own last GEMM has finished reading) -> one TMA store
+            store_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
             )
-            s_part, g_part = cpasync.tma_partition(
-                tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_o, s_part, g_part)
-            cute.arch.cp_async_bulk_commit_group()
+            thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(ctid)
+            cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
+            if ctid < 32:
+                gO = cute.local_tile(
+                    cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim_v), (0, 0)
+                )
+                s_part, g_part = cpasync.tma_partition(
+                    tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+                )
+                cute.copy(tma_atom_o, s_part, g_part)
+                cute.arch.cp_async_bulk_commit_group()
+        else:
+            self.store_rows(tOcO, acc_O, mO, m0, m_end, head)
         col0 = tOcO[0, 0][1]
         if col0 == 0:
             for r in cutlass.range_constexpr(num_rows):
                 row = m0 + tOcO[r, 0][0]
-                if row < total_q:
+                if row < m_end:
                     mLSE[row, head] = row_lse[r]
         if track_max:
-            self.store_max_logit(raw_max, true_max, mMaxLogit, head, softmax_scale)
-        if ctid < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.store_max_logit(tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale)
+        if whole_tile:  # noqa: SIM102 (DSL: keep run-time conditions apart)
+            if ctid < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def store_max_logit(self, raw_max, true_max, mMaxLogit, head, softmax_scale):
-        """Warp max of the rows' raw score max, then one atomic fmax per warp into max_logits[head]."""
+    def store_rows(self, tOcO, acc_O, mO, m0, m_end, head):
+        """O rows m0 .. m_end - 1 from registers (two adjacent columns per 4-byte store)."""
+        o = acc_rows_cols(acc_O)
+        base = mO.iterator + cute.crd2idx((0, head, 0), mO.layout)
+        row_stride = mO.stride[0]
+        is_bf16 = self.dtype == cutlass.BFloat16
+        for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+            row = m0 + tOcO[r, 0][0]
+            if row < m_end:
+                off = cutlass.Int64(row) * row_stride
+                for c in cutlass.range_constexpr(0, cute.size(o, mode=[1]), 2):
+                    store_pair_16bit(base + off + tOcO[r, c][1], o[r, c], o[r, c + 1], is_bf16)
+
+    @cute.jit
+    def store_max_logit(self, tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale):
+        """Warp max of the raw score max of the rows below m_end (a segment tile computes the
+        rows after it unmasked, for nothing), then one atomic fmax per warp into max_logits[head]."""
         mx = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(raw_max)):
-            if cutlass.const_expr(self.has_softcap):
-                mx = cute.arch.fmax(mx, raw_max[r])
-            else:
-                mx = cute.arch.fmax(mx, true_max[r])
+            rm = raw_max[r] if cutlass.const_expr(self.has_softcap) else true_max[r]
+            if m0 + tOcO[r, 0][0] < m_end:
+                mx = cute.arch.fmax(mx, rm)
         mx = cute.arch.warp_reduction_max(mx)
         if cute.arch.lane_idx() == 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
             if mx != -Float32.inf:
@@ -589,7 +616,7 @@ class FFAForwardSm90:
 
     @cute.jit
     def epilogue_accumulate(
-        self, ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, mO, mLSE, m0, head,
+        self, ctid, tiled_mma_pv, acc_O, row_max, row_sum, raw_max, true_max, mO, mLSE, m0, m_end, head,
         scale_log2, softmax_scale, track_max, mMaxLogit,
     ):  # fmt: skip
         """Accumulate epilogue: merge this tile's result into float32 (out_acc, lse_acc) in place.
@@ -601,7 +628,6 @@ class FFAForwardSm90:
         quad share a row, so all of them read l1 before one of them writes the new lse.
         """
         num_rows = cute.size(row_max)
-        total_q = mLSE.shape[0]
         thr_mma_pv = tiled_mma_pv.get_slice(ctid)
         tOcO = acc_rows_cols(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdim_v))))
         gO = cute.local_tile(
@@ -615,12 +641,12 @@ class FFAForwardSm90:
         finalize(row_max, row_sum, scale_log2, no_sink, row_inv, row_lse)
         rescale_rows(acc_O, row_inv)
         o_new = acc_rows_cols(acc_O)
-        # old lse of every row this thread holds (-inf past Tq: those rows are never written)
+        # old lse of every row this thread holds (-inf from m_end on: those rows are never written)
         lse_old = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
             row = m0 + tOcO[r, 0][0]
             lv = -Float32.inf
-            if row < total_q:
+            if row < m_end:
                 lv = mLSE[row, head]
             lse_old[r] = lv
         cute.arch.sync_warp()  # the quad's reads of lse_acc happen before its one write below
@@ -629,7 +655,7 @@ class FFAForwardSm90:
             row = m0 + tOcO[r, 0][0]
             l1 = lse_old[r]
             l2 = row_lse[r]
-            if row < total_q:  # noqa: SIM102 (DSL: keep run-time conditions apart)
+            if row < m_end:  # noqa: SIM102 (DSL: keep run-time conditions apart)
                 if l2 != -Float32.inf:
                     l_new = l2
                     w1 = Float32(0.0)
@@ -658,4 +684,4 @@ class FFAForwardSm90:
                     if col0 == 0:
                         mLSE[row, head] = l_new
         if track_max:
-            self.store_max_logit(raw_max, true_max, mMaxLogit, head, softmax_scale)
+            self.store_max_logit(tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale)

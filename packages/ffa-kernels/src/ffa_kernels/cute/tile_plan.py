@@ -8,7 +8,11 @@ with lo = ks - qs for INVCAUSAL/BICAUSAL (else -BIG) and hi = ke - qe for CAUSAL
 (else +BIG). This is exactly the docs/api.md definition (CAUSAL: j <= i + sk - sq, i.e.
 k - q <= ke - qe; INVCAUSAL: j >= i, i.e. k - q >= ks - qs).
 
-The q axis is cut into fixed tiles of ``tile_m`` rows. A work tile is one q tile; its entries
+The q axis is cut into tiles of ``tile_m`` rows (`row_tiles`): the fixed grid of multiples of
+tile_m, or, when no two slices share q rows (documents), tiles that start at every slice's
+first row and stop at its last (``m_end``: the kernel stores rows below it only), so no tile
+straddles two documents and runs both documents' keys over all its rows. A work tile is one q
+tile; its entries
 are the (slice ∩ tile) pieces that are not empty, each with the k interval it needs
 [k_lo, k_lo + nblk * tile_n). Slices that share q rows simply become several entries of the
 same work tile, so the kernel merges them in its online softmax: no atomics, no second pass.
@@ -16,7 +20,7 @@ Every q tile is a work tile (possibly with zero entries), so every row of ``out`
 written by the kernel (uncovered rows: out = 0, lse = -inf) and no memset is needed.
 
 Tables (int32, on the device):
-  work    (W, 4): m0, entry_begin, entry_end, total_blocks        (longest first)
+  work    (W, 5): m0, entry_begin, entry_end, total_blocks, m_end (longest first)
   entries (E, 12): k_lo, nblk, ks, ke, lo, hi, qs, qe, jf_lo, jf_hi, 0, 0
 Blocks j in [jf_lo, jf_hi) of an entry (first key k_lo + j * tile_n) are fully covered: the
 kernel runs them without any masking; the others get the band mask.
@@ -37,11 +41,12 @@ from .._validate import mask_record
 
 BIG = 1 << 30
 ENTRY_COLS = 12
+WORK_COLS = 5
 
 
 @dataclass
 class TilePlan:
-    work: torch.Tensor  # int32 (W, 4)
+    work: torch.Tensor  # int32 (W, WORK_COLS)
     entries: torch.Tensor  # int32 (max(E,1), ENTRY_COLS)
     num_work: int
     num_entries: int
@@ -84,13 +89,44 @@ def transpose_bands(bands: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]
     return ks, ke, qs, qe, -hi, -lo
 
 
+def row_tiles(
+    total_rows: int, tile_m: int, segment_bounds: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row tiles: int64 ``(starts, ends)``, sorted, together covering ``[0, total_rows)``.
+
+    Without ``segment_bounds``: the grid of multiples of tile_m (``ends = starts + tile_m``: the
+    last tile's rows past total_rows are zero-filled and never stored). With them (row indices
+    where a segment starts or ends, e.g. every slice's qs and qe): each segment between two
+    consecutive bounds is tiled from its own first row, so no tile straddles a bound, and a
+    tile's ``end`` is where its rows stop (the kernel stores rows below it only).
+    """
+    if segment_bounds is None:
+        starts = torch.arange(0, max(total_rows, 1), tile_m, dtype=torch.int64)
+        return starts, starts + tile_m
+    cuts = torch.cat([torch.tensor([0, total_rows]), segment_bounds.to(torch.int64).clamp(0, total_rows)])
+    cuts = torch.unique(cuts)  # sorted
+    seg_lo, seg_hi = cuts[:-1], cuts[1:]
+    count = _ceil_div(seg_hi - seg_lo, tile_m)
+    seg, i = _expand(count)
+    starts = seg_lo[seg] + i * tile_m
+    return starts, torch.minimum(starts + tile_m, seg_hi[seg])
+
+
 def build_band_plan(
-    bands: tuple[torch.Tensor, ...], total_rows: int, tile_m: int, tile_n: int, align_cols: bool = False
+    bands: tuple[torch.Tensor, ...],
+    total_rows: int,
+    tile_m: int,
+    tile_n: int,
+    align_cols: bool = False,
+    segment_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Work tiles of ``tile_m`` rows over the row axis, each with its entries of ``tile_n``-wide
     column blocks (module docstring). ``align_cols``: every column block starts at a multiple of
     tile_n (a few more masked columns; blocks of different work tiles then coincide or are
-    disjoint). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
+    disjoint). ``segment_rows``: row tiles start at every band's first and last row instead of
+    on the tile_m grid (`row_tiles`; for the forward kernel, which stores only the rows below a
+    tile's end). Returns (work int32 (W, WORK_COLS), entries int32 (E, ENTRY_COLS),
+    total_blocks)."""
     qs, qe, ks, ke, lo, hi = bands
     # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
     qs_eff = torch.maximum(qs, ks - hi)
@@ -99,17 +135,19 @@ def build_band_plan(
     qs, qe, ks, ke, lo, hi = (x[keep] for x in (qs, qe, ks, ke, lo, hi))
     qs_eff, qe_eff = qs_eff[keep], qe_eff[keep]
 
-    num_tiles = (total_rows + tile_m - 1) // tile_m
-    # (slice, q tile) pairs
-    t0 = torch.div(qs_eff, tile_m, rounding_mode="floor")
-    t1 = torch.div(qe_eff - 1, tile_m, rounding_mode="floor")
+    bounds = torch.cat([qs_eff, qe_eff]) if segment_rows else None
+    tile_start, tile_end = row_tiles(total_rows, tile_m, bounds)
+    num_tiles = tile_start.shape[0]
+    # (slice, row tile) pairs: the tiles that hold a row of [qs_eff, qe_eff)
+    t0 = torch.searchsorted(tile_start, qs_eff, right=True) - 1
+    t1 = torch.searchsorted(tile_start, qe_eff - 1, right=True) - 1
     cnt = (t1 - t0 + 1).clamp_min(0)
     sl = torch.repeat_interleave(torch.arange(qs.shape[0]), cnt)
     first = torch.cumsum(cnt, 0) - cnt
     tile = t0[sl] + (torch.arange(sl.shape[0]) - first[sl])
-    m0 = tile * tile_m
+    m0 = tile_start[tile]
     r0 = torch.maximum(qs_eff[sl], m0)
-    r1 = torch.minimum(qe_eff[sl], m0 + tile_m)  # exclusive
+    r1 = torch.minimum(qe_eff[sl], tile_end[tile])  # exclusive
     k_lo = torch.maximum(ks[sl], r0 + lo[sl])
     k_hi = torch.minimum(ke[sl], r1 - 1 + hi[sl] + 1)
     ok = k_lo < k_hi
@@ -122,10 +160,11 @@ def build_band_plan(
     sl, tile, k_lo, nblk = sl[order], tile[order], k_lo[order], nblk[order]
     e_ks, e_ke, e_lo, e_hi, e_qs, e_qe = ks[sl], ke[sl], lo[sl], hi[sl], qs[sl], qe[sl]
     # fully covered blocks: all tile rows inside [qs, qe) and, for kb = k_lo + j * tile_n,
-    # ks <= kb, kb + tile_n <= ke, kb - (m0 + tile_m - 1) >= lo, kb + tile_n - 1 - m0 <= hi
-    e_m0 = tile * tile_m
-    rows_in = (e_qs <= e_m0) & (e_m0 + tile_m <= e_qe)
-    kb_min = torch.maximum(e_ks, e_lo + e_m0 + tile_m - 1)
+    # ks <= kb, kb + tile_n <= ke, kb - (m_end - 1) >= lo, kb + tile_n - 1 - m0 <= hi (the
+    # rows from a segment tile's end on are never stored, so they need no mask)
+    e_m0, e_stop = tile_start[tile], tile_end[tile]
+    rows_in = (e_qs <= e_m0) & (e_stop <= e_qe)
+    kb_min = torch.maximum(e_ks, e_lo + e_stop - 1)
     kb_max = torch.minimum(e_ke - tile_n, e_hi + e_m0 - tile_n + 1)
     jf_lo = _ceil_div(kb_min - k_lo, tile_n).clamp(0)
     jf_lo = torch.minimum(jf_lo, nblk)
@@ -138,13 +177,15 @@ def build_band_plan(
     blk_cnt = torch.zeros(num_tiles, dtype=torch.int64).index_add_(0, tile, nblk)
     e_end = torch.cumsum(ent_cnt, 0)
     e_begin = e_end - ent_cnt
-    tiles = torch.arange(num_tiles, dtype=torch.int64)
-    work = torch.stack([tiles * tile_m, e_begin, e_end, blk_cnt], dim=1)
+    stop = torch.clamp(tile_end, max=total_rows)
+    work = torch.stack([tile_start, e_begin, e_end, blk_cnt, stop], dim=1)
     # longest processing time first (stable: equal-cost tiles keep q order)
     lpt = torch.argsort(-blk_cnt, stable=True)
     work = work[lpt]
     if entries.shape[0] == 0:
         entries = torch.zeros(1, ENTRY_COLS, dtype=torch.int64)
+    if work.shape[0] == 0:
+        work = torch.zeros(0, WORK_COLS, dtype=torch.int64)
     return (
         work.to(torch.int32).contiguous(),
         entries.to(torch.int32).contiguous(),
@@ -159,9 +200,48 @@ def build_plan_cpu(
     total_q: int,
     tile_m: int,
     tile_n: int,
+    segment_rows: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The forward's plan (q tiles, k blocks). Returns (work int32 (W,4), entries int32 (E,12), total_blocks)."""
-    return build_band_plan(slice_bands(q_ranges, k_ranges, attn_type_map), total_q, tile_m, tile_n)
+    """The forward's plan (q tiles, k blocks). ``segment_rows``: q tiles start at the slices'
+    first rows (`row_tiles`); None: choose, when no two slices share a q row (documents), the
+    tiling of the two with the lower `plan_cost` (per-document tiles save the blocks of grid
+    tiles that straddle two documents, but a document's tail becomes a tile of its own, and
+    with some tile shapes or key ranges they plan more blocks). Returns (work int32
+    (W, WORK_COLS), entries int32 (E, ENTRY_COLS), total_blocks)."""
+    bands = slice_bands(q_ranges, k_ranges, attn_type_map)
+    if segment_rows is None:
+        segment_rows = SEGMENT_ROWS
+    if segment_rows is not None:
+        return build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=segment_rows)
+    grid = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=False)
+    if not rows_disjoint(bands[0], bands[1]):
+        return grid
+    docs = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=True)
+    return docs if plan_cost(docs) < plan_cost(grid) else grid
+
+
+# The forward's row tiling for every plan: None chooses per mask (`build_plan_cpu`), True / False
+# force per-document tiles / the grid (tests set it; part of the plan caches' keys).
+SEGMENT_ROWS: bool | None = None
+
+# What one work tile costs beyond its K/V blocks (its Q load, its epilogue, its CTA's start),
+# in blocks: a guess until measured (the two tilings' times on the device), used only to
+# choose between them.
+TILE_COST_BLOCKS = 1
+
+
+def plan_cost(plan: tuple[torch.Tensor, torch.Tensor, int]) -> int:
+    """A forward plan's cost in K/V blocks: its blocks plus `TILE_COST_BLOCKS` per work tile."""
+    work, _, total_blocks = plan
+    return total_blocks + TILE_COST_BLOCKS * work.shape[0]
+
+
+def rows_disjoint(qs: torch.Tensor, qe: torch.Tensor) -> bool:
+    """Whether no two of the (non-empty) row ranges ``[qs, qe)`` share a row."""
+    keep = qs < qe
+    qs, qe = qs[keep], qe[keep]
+    order = torch.argsort(qs)
+    return bool((qe[order][:-1] <= qs[order][1:]).all())
 
 
 def build_bwd_plan_cpu(
@@ -201,7 +281,7 @@ def _expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _entries_in_cta_order(work: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every entry in CTA order (work tiles in plan order, then their entries): (its work
-    tile, its row in the entry table), int64; ``work`` int64 (W, 4)."""
+    tile, its row in the entry table), int64; ``work`` int64 (W, WORK_COLS)."""
     owner, pos = _expand(work[:, 2] - work[:, 1])
     return owner, work[owner, 1] + pos
 
@@ -290,7 +370,7 @@ def get_plan(
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
     """
     tensors = (q_ranges, k_ranges, attn_type_map)
-    extra = (int(total_q), tile_m, tile_n, str(device), backward, deterministic)
+    extra = (int(total_q), tile_m, tile_n, str(device), backward, deterministic, SEGMENT_ROWS)
     rec = mask_record(q_ranges, k_ranges, attn_type_map)
     if rec is not None:
         plan = rec.plans.get(extra)
@@ -333,6 +413,7 @@ def _get_plan_by_content(
         str(device),
         backward,
         deterministic,
+        SEGMENT_ROWS,
     )
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
