@@ -1,10 +1,9 @@
-"""The backward kernel alone (cute_backward_stage, preprocess cached), and what limits it: the same
-kernel with a part switched off (``no_dq``: no dQ reductions). That variant
-computes wrong gradients on purpose; it only bounds the time of the part it removes. The
-variant ``tile_mN`` (e.g. ``tile_m128`` at D 64) runs the default config with N-row q blocks
-(correct gradients).
+"""The backward kernel alone (cute_backward_stage, preprocess cached). The variant ``tile_mN``
+(e.g. ``tile_m64``) runs the default config with N-row q blocks (correct gradients). (A
+``no_dq`` variant, the consumers' dQ hand-off switched off, was removed: the dQ writer warp
+waits for that hand-off, so the kernel never ended.)
 
-    python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,no_dq]
+    python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,tile_m64]
                                      [--whole 0,1,2,4,8] [--deterministic]
 
 ``--whole``: also time `cute_backward` (one whole backward, gradients in the input dtype) with
@@ -24,16 +23,12 @@ from bench_ffa import bench, make_cases
 
 
 def _variant(name: str) -> None:
-    """Patch the kernel class for one variant and drop every compiled backward."""
-    from ffa_kernels.cute import bwd_interface, bwd_sm90, compile_cache
+    """Set up one variant (its default config) and drop every compiled backward."""
+    from ffa_kernels.cute import bwd_interface, compile_cache
 
     os.environ["FFA_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"ffa_{name}_")
     compile_cache.forget()
     bwd_interface._LAUNCHERS.clear()
-    cls = bwd_sm90.FFABackwardSm90
-    if not hasattr(cls, "_orig_add_dq"):
-        cls._orig_add_dq = cls.add_dq
-    cls.add_dq = cls._orig_add_dq
     if not hasattr(bwd_interface, "_orig_default_bwd_config"):
         bwd_interface._orig_default_bwd_config = bwd_interface.default_bwd_config
     bwd_interface.default_bwd_config = bwd_interface._orig_default_bwd_config
@@ -43,18 +38,12 @@ def _variant(name: str) -> None:
         bwd_interface.default_bwd_config = lambda d, softcap=False: dataclasses.replace(
             orig(d, softcap), tile_m=rows
         )
-    if name == "no_dq":
-
-        def no_dq(self, *args):
-            pass
-
-        cls.add_dq = no_dq
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="full8k,causal8k")
-    ap.add_argument("--variants", default="base,no_dq")
+    ap.add_argument("--variants", default="base")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--whole", default="")
     ap.add_argument("--deterministic", action="store_true")

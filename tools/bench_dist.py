@@ -276,7 +276,12 @@ def ring_sdpa_time(total, hq, d, causal, iters, group, step: bool = False) -> fl
     q, k, v = (
         torch.randn(1, hq, total, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)
     )
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    def sdpa(*args, **kwargs):
+        # looked up at each call: context_parallel swaps this attribute for its ring version
+        # while it is active (torch's default dispatch mode), so a reference taken before the
+        # context would time local attention on the shards
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
     old = _set_ring_load_balance(causal)  # no load balancer for full masks (refused with one)
     try:
         with context_parallel(

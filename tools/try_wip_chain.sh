@@ -8,8 +8,7 @@
 #   2. the kernel-alone benchmark for main and every step, back to back in one run each, so
 #      that each step's gain is its row minus the previous one (same machine, same minutes);
 #   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step, and the
-#      configurations that are not defaults yet (80-row blocks at D 128, 128 at D 64) beside
-#      the default on the last step.
+#      64-row q blocks (softcap's configuration) beside the default on the last step.
 # PART=tests, PART=kernels or PART=step runs only part 1, 2 or 3, each within one 10-minute
 # device call (all six steps of bwd-stack do not fit one call: pick some N). PART=ncu: Nsight
 # Compute on main's and the last step's backward kernel beside FA4's (full and causal 8k): time,
@@ -88,9 +87,7 @@ for side in main "$last"; do
   bench "$side" 200 14 bench_ffa.py --bwd --no-flex --iters 10 --rounds 3 \
     --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k
 done
-# configurations that are not defaults yet, beside the default, on the last step (tile_mN needs
-# the stack's first patch; 80 rows its fourth)
-bench "$last" 150 12 bench_bwd_kernel.py --cases full8k,varlen_causal32k,gqa_varlen_causal32k,causal8k \
-  --variants base,tile_m80
-bench "$last" 120 8 bench_bwd_kernel.py --cases causal8k_d64,full8k_d64 --variants base,tile_m128
+# 64-row q blocks (the softcap configuration) beside the defaults (80 rows at D 128, 128 at D 64)
+bench "$last" 200 16 bench_bwd_kernel.py --cases full8k,causal8k,varlen_causal32k,causal8k_d64,full8k_d64 \
+  --variants base,tile_m64
 finish

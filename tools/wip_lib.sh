@@ -5,8 +5,13 @@ out=${OUT:-$root/gpu_logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
 
-# src_path TREE: every package's src of TREE, for PYTHONPATH
-src_path() { local base=$1 p=""; for d in "$base"/packages/*/src; do p="$p:$d"; done; echo "${p#:}"; }
+# src_path TREE: every package's src of TREE, ahead of the caller's PYTHONPATH (the kit's CuTe DSL
+# and FA4 come from there; main's packages there come after TREE's, so TREE's are imported)
+src_path() {
+  local base=$1 p=""
+  for d in "$base"/packages/*/src; do p="$p:$d"; done
+  echo "${p#:}${PYTHONPATH:+:$PYTHONPATH}"
+}
 
 # filter: drop CuTe DSL's warnings about arguments it cannot convert (one per compile)
 filter() { grep -v "aux_data\|exe_args"; }

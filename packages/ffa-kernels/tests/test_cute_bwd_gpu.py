@@ -238,37 +238,24 @@ def test_bwd_softmax_scales(dtype, scale):
 
 
 @requires_sm90
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_bwd_80_row_blocks(deterministic):
-    """80-row q blocks at D 128 (dQ computed transposed, dQ^T = K^T dS^T): full, causal,
+@pytest.mark.parametrize("d, deterministic", [(128, False), (128, True), (64, False)])
+def test_bwd_64_row_blocks(d, deterministic):
+    """64-row q blocks (the defaults are 80 rows at D 128 and 128 at D 64; 64 rows serve
+    softcap, and without softcap they issue dV's GEMM before the dP^T wait): full, causal,
     documents, random slices sharing q rows, GQA, fp16; the whole-call backward too."""
     from ffa_kernels.cute.config import BwdConfig
 
-    cfg = BwdConfig(head_dim=128, tile_m=80)
+    cfg = BwdConfig(head_dim=d, tile_m=64)
     if not deterministic:
-        run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, config=cfg)
-        run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, dtype=torch.float16, hq=8, hk=2, config=cfg)
+        run_bwd_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, d=d, config=cfg)
+        run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=d, dtype=torch.float16, hq=8, hk=2, config=cfg)
         qr, kr, ty, t = varlen_slices([1, 77, 300, 129, 513], 1)
-        run_bwd_case(qr, kr, ty, t, t, config=cfg)
+        run_bwd_case(qr, kr, ty, t, t, d=d, config=cfg)
         rng = random.Random(11)
         qr, kr, ty = random_slices(rng, 900, 1100, 5)
-        run_bwd_case(qr, kr, ty, 900, 1100, config=cfg)
+        run_bwd_case(qr, kr, ty, 900, 1100, d=d, config=cfg)
     qr, kr, ty, t = varlen_slices([300, 500, 161], 0)
-    run_bwd_whole_case(qr, kr, ty, t, t, hq=4, hk=2, deterministic=deterministic, config=cfg)
-
-
-@requires_sm90
-def test_bwd_128_row_blocks_d64():
-    """The 128-row q block configuration (dQ split over the warpgroups by rows) at D 64."""
-    from ffa_kernels.cute.config import BwdConfig
-
-    cfg = BwdConfig(head_dim=64, tile_m=128)
-    qr, kr, ty, t = varlen_slices([1, 77, 300, 129, 513], 1)
-    run_bwd_case(qr, kr, ty, t, t, d=64, config=cfg)
-    run_bwd_case([[0, 700]], [[0, 900]], [1], 700, 900, d=64, dtype=torch.float16, hq=8, hk=2, config=cfg)
-    rng = random.Random(7)
-    qr, kr, ty = random_slices(rng, 900, 1100, 5)
-    run_bwd_case(qr, kr, ty, 900, 1100, d=64, config=cfg)
+    run_bwd_whole_case(qr, kr, ty, t, t, d=d, hq=4, hk=2, deterministic=deterministic, config=cfg)
 
 
 @requires_sm90
