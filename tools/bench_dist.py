@@ -276,6 +276,7 @@ def ring_sdpa_time(total, hq, d, causal, iters, group, step: bool = False) -> fl
     q, k, v = (
         torch.randn(1, hq, total, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)
     )
+
     def sdpa(*args, **kwargs):
         # looked up at each call: context_parallel swaps this attribute for its ring version
         # while it is active (torch's default dispatch mode), so a reference taken before the
