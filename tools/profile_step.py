@@ -1,7 +1,8 @@
 """Where the time of one training step of attention goes: every CUDA kernel of
-``flex_flash_attn_func``'s forward + backward (torch.profiler), summed by name, per case.
+``flex_flash_attn_func``'s forward + backward (torch.profiler), summed by name, per case; with
+``--fa4``, FlashAttention-4's step on the same inputs below it.
 
-    python tools/profile_step.py [--cases full8k,causal8k] [--steps 5]
+    python tools/profile_step.py [--cases full8k,causal8k] [--steps 5] [--fa4]
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-from bench_ffa import make_cases
+from bench_ffa import make_cases, run_fa4, training_step
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -34,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="full8k,causal8k")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--fa4", action="store_true", help="also FlashAttention-4's step")
     args = ap.parse_args()
     from ffa_kernels import flex_flash_attn_func
 
@@ -52,11 +54,16 @@ def main() -> None:
             out, _ = flex_flash_attn_func(*qkv, qr, kr, ty)
             torch.autograd.grad(out, qkv, dout)
 
-        times = kernel_times(step, args.steps)
-        total = sum(us for _, us in times.values())
-        print(f"\n{case.name}: {total:.0f} us of kernels per step")
-        for name, (n, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {us:9.1f} us  x{n:<3d} {name[:110]}")
+        steps = [("FFA", step)]
+        fa4 = run_fa4(case, *qkv) if args.fa4 else None
+        if fa4 is not None:
+            steps.append(("FA4", training_step(fa4, qkv)))
+        for lib, fn in steps:
+            times = kernel_times(fn, args.steps)
+            total = sum(us for _, us in times.values())
+            print(f"\n{case.name}, {lib}: {total:.0f} us of kernels per step")
+            for name, (n, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
+                print(f"  {us:9.1f} us  x{n:<3d} {name[:110]}")
 
 
 if __name__ == "__main__":

@@ -66,12 +66,13 @@ def random_slices(rng, tq, tk, n):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_deterministic_bwd_plan_is_aligned_and_ranked(seed):
+@pytest.mark.parametrize("tile_m", [64, 80, 128])  # q block heights of the backward configs
+def test_deterministic_bwd_plan_is_aligned_and_ranked(seed, tile_m):
     """The deterministic backward plan: still every cell once, q blocks on the tile grid, and
     the visit ranks equal a brute-force count of earlier visits (in CTA order) to each block."""
     from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu, visit_ranks
 
-    tile_n, tile_m = 128, 64  # key tile, q block
+    tile_n = 128  # key tile
     rng = random.Random(500 + seed)
     tq, tk = rng.randrange(1, 900), rng.randrange(1, 900)
     qr, kr, ty = random_slices(rng, tq, tk, rng.randrange(1, 7))
@@ -98,23 +99,30 @@ def test_deterministic_bwd_plan_is_aligned_and_ranked(seed):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("mask", ["varlen_causal", "sliding_window"])
-def test_deterministic_order_never_waits_in_lockstep(seed, mask):
+@pytest.mark.parametrize("tile_m", [64, 80, 128])
+def test_deterministic_order_never_waits_in_lockstep(seed, mask, tile_m):
     """On causal documents and sliding windows, the deterministic plan's order lets every CTA
     add to a q block after all earlier CTAs (its rank) did, if all walk in lockstep: along the
-    CTA order, the steps at which the visits to one q block happen strictly increase."""
+    CTA order, the steps at which the visits to one q block happen strictly increase. Slice
+    boundaries lie on both tile grids (multiples of lcm(tile_n, tile_m)): a q block that two
+    documents share can make the second document's first key tile wait for the first's last."""
+    import math
+
     from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
 
-    tile_n, tile_m = 128, 64
+    tile_n = 128
+    unit = math.lcm(tile_n, tile_m)
+    units = 40 if unit == tile_n else 12
     rng = random.Random(700 + seed)
     if mask == "varlen_causal":
-        cuts = sorted(rng.sample(range(1, 40), rng.randrange(1, 6)))
-        bounds = [0, *(c * tile_n for c in cuts), 40 * tile_n]
+        cuts = sorted(rng.sample(range(1, units), rng.randrange(1, 6)))
+        bounds = [0, *(c * unit for c in cuts), units * unit]
         qr = [[a, b] for a, b in zip(bounds[:-1], bounds[1:])]
         kr = qr
     else:
-        n, w = 40 * tile_n, rng.randrange(1, 6) * tile_n
-        # slice per key tile row band: q rows [i, i+tile_n) see keys [i - w, i + tile_n), causal
-        qr = [[i, i + tile_n] for i in range(0, n, tile_n)]
+        n, w = units * unit, rng.randrange(1, 6) * tile_n
+        # slice per row band: q rows [i, i+unit) see keys [i - w, i + unit), causal
+        qr = [[i, i + unit] for i in range(0, n, unit)]
         kr = [[max(0, a - w), b] for a, b in qr]
     ty = [1] * len(qr)
     t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
@@ -461,11 +469,11 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
         assert kernel_args.packed_matches_dsl(
             fn, bwd_interface.bwd_arg_spec(store), compile_cache.dtype_of(torch.bfloat16)
         )
-    # 128-row q blocks at D 64 (the dQ GEMM split by rows)
+    # 64-row q blocks without softcap (the defaults are 128 / 80 rows there; 64 rows issue dV's
+    # GEMM before the dP^T wait)
     from ffa_kernels.cute.config import BwdConfig
 
-    # and 80-row q blocks at D 128 (dQ computed transposed)
-    for cfg in (BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=128, tile_m=80)):
+    for cfg in (BwdConfig(head_dim=64, tile_m=64), BwdConfig(head_dim=128, tile_m=64)):
         compile_cache.forget(bwd_interface.bwd_compile_key(torch.bfloat16, cfg, False, False))
         fn = bwd_interface.get_bwd_kernel(torch.bfloat16, cfg, False, False)
         assert kernel_args.packed_matches_dsl(

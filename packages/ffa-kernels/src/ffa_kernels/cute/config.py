@@ -175,9 +175,9 @@ class BwdConfig(_KernelConfig):
 @functools.cache
 def default_bwd_config(head_dim: int, softcap: bool = False) -> BwdConfig:
     """128-key tiles, two consumer warpgroups; q blocks of 80 rows at D 128 and 128 rows at
-    D 64 (measured on an H100, kernel alone: full 8k 578 -> 653, causal 8k 505 -> 560, varlen
-    causal 32k 432 -> 450 TFLOP/s at D 128 against 64 rows; causal 8k d64 438 -> 501). With
-    softcap both larger blocks spill (384 / 448 bytes), so softcap keeps 64-row blocks."""
+    D 64 (measured on an H100, kernel alone, against 64 rows in the same run: full 8k 585 -> 663,
+    causal 8k 511 -> 569, varlen causal 32k 434 -> 455 TFLOP/s at D 128; causal 8k d64 422 ->
+    509). With softcap both larger blocks spill (384 / 448 bytes), so softcap keeps 64 rows."""
     if softcap:
         return BwdConfig(head_dim=head_dim)
     return BwdConfig(head_dim=head_dim, tile_m=80 if head_dim == 128 else 128)
