@@ -15,6 +15,7 @@ process on the same inputs. Usage (GPU machine):
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -205,18 +206,30 @@ def make_cases(names, lengths: list[str] | None = None, totals: list[int] | None
 
 
 # ----------------------------------------------------------------------------- timing
+# A timed run lasts at least this long: at 10 iterations a 0.5 ms call (the sliding-window
+# backward) is timed over 5 ms, and such cases moved by up to a quarter between runs.
+MIN_TIMED_S = 0.025
+
+
 def bench(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    """Seconds per call of ``fn``: the mean over at least ``iters`` calls and ``MIN_TIMED_S``,
+    after ``warmup`` calls (the last of them, timed alone, sets how many calls that takes)."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
+    for _ in range(max(warmup - 1, 0)):
+        fn()
     start.record()
-    for _ in range(iters):
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end) * 1e-3, 1e-6)
+    n = max(iters, math.ceil(MIN_TIMED_S / one))
+    start.record()
+    for _ in range(n):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3  # seconds
+    return start.elapsed_time(end) / n * 1e-3
 
 
 def paired_overhead(base, variant, iters: int, pairs: int = 15) -> float:
