@@ -126,8 +126,15 @@ def _pct(x: float) -> str:
     return "–" if x != x else f"{x:.1%}"
 
 
+# H100 / H200 SXM dense bf16 peak: a number above it was not measured right (the ring CP column
+# once timed local attention on the shards and read 1063-1132)
+PEAK_TFLOPS = 989.0
+
+
 def _tf(x: float) -> str:
-    return "–" if x != x else f"{x:.1f}"
+    if x != x:
+        return "–"
+    return f"{x:.1f}" + (" (above the chip's peak: not a valid measurement)" if x > PEAK_TFLOPS else "")
 
 
 def forward_table(rows: list[tuple]) -> str:
