@@ -125,7 +125,7 @@ class FFABackwardSm90:
         heads_per_cta: Int32,  # q heads one CTA walks (a divisor of Hq / Hk)
         scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap with softcap)
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
-        grad_scale: Float32,  # softmax_scale / the scale folded into P (1.0 for a positive scale)
+        grad_scale: Float32,  # softmax_scale / the scale folded into P (1.0 for bfloat16)
         dv_scale: Float32,  # 1 / the scale folded into P
         flags: Int32,
         stream: cuda.CUstream,
@@ -169,16 +169,11 @@ class FFABackwardSm90:
         tiled_mma_dkv = tiled_wgmma(
             self.dtype, (cfg.num_mma_wg, 1, 1), (64, D), b_transposed=True, a_in_registers=True
         )
-        # dQ = dS K: M = the block's q rows, split over the warpgroups by rows or by columns
+        # dQ = dS K: M = the block's q rows, split over the warpgroups by rows or by columns;
+        # dQ^T = K^T dS^T: M = head-dim columns, split over the warpgroups
         dq_cols, dq_rows = self.dq_cols, self.dq_rows
-        if cutlass.const_expr(self.dq_swap):
-            # dQ^T = K^T dS^T: A = K read MN-major, B = dS (K-major), M = head-dim columns
-            tiled_mma_dq = tiled_wgmma(
-                self.dtype, (cfg.num_mma_wg, 1, 1), (dq_cols, self.tile_m), a_transposed=True
-            )
-        else:
-            dq_atoms = (cfg.num_mma_wg, 1, 1) if self.dq_split_rows else (1, cfg.num_mma_wg, 1)
-            tiled_mma_dq = tiled_wgmma(self.dtype, dq_atoms, (64, dq_cols), b_transposed=True)
+        split_m = self.dq_swap or self.dq_split_rows
+        tiled_mma_dq = self.dq_mma((cfg.num_mma_wg, 1, 1) if split_m else (1, cfg.num_mma_wg, 1))
         sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_wg_layout, sdQ_layout = self.smem_layouts()
 
         op = cpasync.CopyBulkTensorTileG2SOp()
@@ -211,6 +206,14 @@ class FFABackwardSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def dq_mma(self, atoms: tuple):
+        """The dQ GEMM over the warpgroups ``atoms`` (traced): dQ = dS K, one (64, dq_cols)
+        tile per warpgroup, B = K read transposed; or with ``dq_swap`` dQ^T = K^T dS^T, one
+        (dq_cols, tile_m) tile, A = K read transposed."""
+        if self.dq_swap:
+            return tiled_wgmma(self.dtype, atoms, (self.dq_cols, self.tile_m), a_transposed=True)
+        return tiled_wgmma(self.dtype, atoms, (64, self.dq_cols), b_transposed=True)
 
     def smem_layouts(self):
         """Shared-memory layouts (traced): Q / dO stages, K, V, the two dS buffers, one
@@ -455,18 +458,12 @@ class FFABackwardSm90:
         t0ScS = score_coords(tiled_mma_sdp.get_slice(0), self.tile_n, self.tile_m)
         # this warpgroup's (dq_rows, dq_cols) dQ tile: the C layout of one warpgroup's wgmma
         # (dQ^T's: the tile seen transposed, one float per store)
-        if cutlass.const_expr(self.dq_swap):
-            tdQsdQ = (
-                tiled_wgmma(self.dtype, (1, 1, 1), (self.dq_cols, self.tile_m), a_transposed=True)
-                .get_slice(ctid % 128)
-                .partition_C(smem_transpose(sdQ[None, None, wg_idx]))
-            )
-        else:
-            tdQsdQ = (
-                tiled_wgmma(self.dtype, (1, 1, 1), (64, self.dq_cols), b_transposed=True)
-                .get_slice(ctid % 128)
-                .partition_C(sdQ[None, None, wg_idx])
-            )
+        sdQ_wg = sdQ[None, None, wg_idx]
+        tdQsdQ = (
+            self.dq_mma((1, 1, 1))
+            .get_slice(ctid % 128)
+            .partition_C(smem_transpose(sdQ_wg) if self.dq_swap else sdQ_wg)
+        )
 
         kv_state = make_pipeline_state(PipelineUserType.Consumer, 1)
         q_state = make_pipeline_state(PipelineUserType.Consumer, cfg.num_stages)
@@ -711,11 +708,11 @@ class FFABackwardSm90:
                         red_add_f32x2(base_v + off + col, dv0, dv1)
 
 
-def shared_storage_bytes(cfg: BwdConfig, dtype=cutlass.BFloat16) -> int:
-    """Bytes of the backward's shared-memory struct for ``cfg``, read off the struct while a
-    small function traces (no kernel is compiled): the check of BwdConfig.smem_bytes()."""
+def shared_storage_bytes(cfg: BwdConfig) -> int:
+    """Bytes of the backward's shared-memory struct for ``cfg`` (bfloat16), read off the struct
+    while a small function traces (no kernel is compiled): the check of BwdConfig.smem_bytes()."""
     found: list[int] = []
-    kernel = FFABackwardSm90(dtype, cfg, has_softcap=False, dkv_store=True)
+    kernel = FFABackwardSm90(cutlass.BFloat16, cfg, has_softcap=False, dkv_store=True)
 
     @cute.jit
     def probe():
