@@ -1,4 +1,4 @@
-"""Workspace-wide pytest hooks: `gpu` tests skip cleanly on machines without CUDA."""
+"""Workspace-wide pytest hooks: `gpu` tests skip cleanly on machines without CUDA, `sm90` tests\nwithout a Hopper GPU."""
 
 import os
 
@@ -19,6 +19,14 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    sm90_items = [item for item in items if "sm90" in item.keywords]
+    if sm90_items:
+        from ffa_kernels.testing import is_sm90
+
+        if not is_sm90():
+            skip_sm90 = pytest.mark.skip(reason="needs an sm90 GPU")
+            for item in sm90_items:
+                item.add_marker(skip_sm90)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

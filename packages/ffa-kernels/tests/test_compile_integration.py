@@ -385,13 +385,12 @@ def _meta_mask():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm90
 def test_compiled_block_on_sm90_runs_the_cute_kernels(monkeypatch):
     """The block compiled (inductor, fullgraph) on sm90 in bf16 with FFA_BACKEND=cute: the CuTe
     kernels run inside the compiled graph (their launch takes the real current stream), equal to
     eager, without recompiles over changing document lengths."""
     pytest.importorskip("cutlass")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm90 GPU")
     monkeypatch.setenv("FFA_BACKEND", "cute")
     torch.manual_seed(0)
     dev = torch.device("cuda")

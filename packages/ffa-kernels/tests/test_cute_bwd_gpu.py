@@ -31,9 +31,6 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("cutlass")
 
 
-requires_sm90 = pytest.mark.skipif(not testing.is_sm90(), reason="needs an sm90 GPU")
-
-
 def dense_mask(q_ranges, k_ranges, types, tq, tk, device="cuda"):
     return testing.dense_mask(q_ranges, k_ranges, types, tq, tk).to(device)
 
@@ -216,7 +213,7 @@ def run_bwd_case(
 
 
 # ----------------------------------------------------------------------------- tests
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bwd_full_and_causal(d, dtype):
@@ -225,7 +222,7 @@ def test_bwd_full_and_causal(d, dtype):
     run_bwd_case([[0, 900]], [[0, 300]], [1], 900, 300, d=d, dtype=dtype)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale", [0.3, 0.05])
 def test_bwd_softmax_scales(dtype, scale):
@@ -237,7 +234,7 @@ def test_bwd_softmax_scales(dtype, scale):
     run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, dtype=dtype, scale=scale, softcap=20.0 if scale > 0.1 else 0.0)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d, deterministic", [(128, False), (128, True), (64, False)])
 def test_bwd_64_row_blocks(d, deterministic):
     """64-row q blocks (the defaults are 80 rows at D 128 and 128 at D 64; 64 rows serve
@@ -258,14 +255,14 @@ def test_bwd_64_row_blocks(d, deterministic):
     run_bwd_whole_case(qr, kr, ty, t, t, d=d, hq=4, hk=2, deterministic=deterministic, config=cfg)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("typ", [0, 1, 2, 3])
 def test_bwd_varlen_each_type(typ):
     qr, kr, ty, t = varlen_slices([1, 77, 128, 300, 129, 513], typ)
     run_bwd_case(qr, kr, ty, t, t, d=128)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_bwd_shared_q_rows_mixed_types():
     qr = [[0, 300], [0, 300], [300, 310], [310, 600], [310, 600]]
     kr = [[0, 100], [100, 500], [0, 700], [0, 50], [60, 61]]
@@ -274,7 +271,7 @@ def test_bwd_shared_q_rows_mixed_types():
     run_bwd_case(qr, kr, ty, 640, 700, d=128)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("seed", range(6))
 def test_bwd_random_slices(seed):
     rng = random.Random(seed)
@@ -285,20 +282,20 @@ def test_bwd_random_slices(seed):
     run_bwd_case(qr, kr, ty, tq, tk, d=d, dtype=dtype, seed=seed)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_bwd_uncovered_rows_and_empty():
     run_bwd_case([[100, 400]], [[0, 256]], [0], 512, 256)
     run_bwd_case([[0, 0]], [[0, 0]], [0], 200, 100)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (64, 8), (8, 8)])
 def test_bwd_gqa(hq, hk):
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
     run_bwd_case(qr, kr, ty, t, t, hq=hq, hk=hk)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128])
 def test_bwd_softcap(d):
     qr, kr, ty, t = varlen_slices([500, 300], 1)
@@ -306,7 +303,7 @@ def test_bwd_softcap(d):
     run_bwd_case(qr, kr, ty, t, t, d=d, softcap=5.0)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 def test_bwd_sliding_window_block_causal_and_segment_ids(dtype, d):
@@ -319,7 +316,7 @@ def test_bwd_sliding_window_block_causal_and_segment_ids(dtype, d):
     run_bwd_case(qr, kr, ty, len(ids), len(ids), d=d, dtype=dtype, hq=8, hk=2)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize(
     "hq,hk,heads_per_cta", [(4, 4, None), (8, 2, None), (8, 2, 2), (8, 2, 1), (16, 1, 4)]
 )
@@ -332,7 +329,7 @@ def test_bwd_whole_call(hq, hk, heads_per_cta):
     run_bwd_whole_case([[0, 500]], [[0, 600]], [1], 500, 1100, hq=hq, hk=hk, heads_per_cta=heads_per_cta)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("heads_per_cta", [None, 1])
 @pytest.mark.parametrize("seed", range(4))
 def test_bwd_deterministic_kernel(seed, heads_per_cta):
@@ -348,7 +345,7 @@ def test_bwd_deterministic_kernel(seed, heads_per_cta):
     run_bwd_whole_case(qr, kr, ty, t, t, hq=4, hk=4, deterministic=True)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("seed", range(4))
 def test_bwd_whole_call_random(seed):
     rng = random.Random(100 + seed)
@@ -359,7 +356,7 @@ def test_bwd_whole_call_random(seed):
                        softcap=rng.choice([0.0, 10.0]))  # fmt: skip
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("fold", [1.0, 128**-0.5])
@@ -384,14 +381,14 @@ def test_bwd_preprocess_kernel(out_dtype, d, fold):
     assert bool((stats[0, :, tq:] == float("inf")).all()) and not stats[1, :, tq:].any()
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("acc_layout", ["packed", "offset"])
 def test_bwd_accumulator_layouts(acc_layout):
     qr, kr, ty, t = varlen_slices([300, 500], 1)
     run_bwd_case(qr, kr, ty, t, t, hq=4, hk=2, acc_layout=acc_layout)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_bwd_stages_sum_to_one_call():
     """Two stages over a split of the keys add up to one call over all of them."""
     from ffa_kernels.cute import cute_backward_stage
@@ -419,7 +416,7 @@ def test_bwd_stages_sum_to_one_call():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("sink_layout", [None, "sh", "ssh"])
 def test_flex_flash_attn_autograd_uses_kernel(monkeypatch, sink_layout):
     """flex_flash_attn_func's backward runs the kernel (FFA_BACKEND=cute: no silent fallback)
@@ -457,7 +454,7 @@ def test_flex_flash_attn_autograd_uses_kernel(monkeypatch, sink_layout):
         assert err <= 2e-2 * max(1.0, b.abs().max().item()), f"{name}: err {err:.3e}"
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_deterministic_backward_is_bitwise_reproducible():
     """deterministic=True through flex_flash_attn_func: dq, dk, dv bitwise equal over 3 runs
     (GQA: the kernel sums a group's dK/dV in one CTA and orders the dQ adds)."""
@@ -477,7 +474,7 @@ def test_deterministic_backward_is_bitwise_reproducible():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_bwd_dout_layouts_through_autograd():
     """flex_flash_attn_func's backward on the kernel with a non-contiguous, an expanded and a
     float32 output gradient: bitwise the gradients of the contiguous bf16 one (deterministic
@@ -508,7 +505,7 @@ def test_bwd_dout_layouts_through_autograd():
         grads(torch.randn(tq, h, d - 1, device="cuda", dtype=torch.bfloat16))
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_bwd_stage_deterministic_is_bitwise_repeatable():
     """ffa_backward_stage(deterministic=True) on the kernel: 3 runs add bitwise the same into
     float32 accumulators (GQA 8:1, a group split over CTAs), and agree with the default mode."""

@@ -488,19 +488,18 @@ def test_compile_every_bwd_variant(tmp_path, monkeypatch):
 )
 def test_bwd_config_smem(kw):
     """BwdConfig.smem_bytes() is what the compiled kernel's SharedStorage takes (read off the
-    struct while it traces), and fits sm90's 227 KiB with the 1 KiB static part."""
+    struct while it traces); that it fits sm90's 227 KiB with the 1 KiB static part is
+    BwdConfig's own check (next test)."""
     pytest.importorskip("cutlass")
     from ffa_kernels.cute import bwd_sm90
-    from ffa_kernels.cute.config import BWD_STATIC_SMEM_BYTES, SM90_SMEM_BYTES, BwdConfig
+    from ffa_kernels.cute.config import BwdConfig
 
     cfg = BwdConfig(**kw)
-    assert cfg.smem_bytes() + BWD_STATIC_SMEM_BYTES <= SM90_SMEM_BYTES
     assert bwd_sm90.shared_storage_bytes(cfg) == cfg.smem_bytes()
 
 
 def test_bwd_config_rejects_too_much_smem():
-    pytest.importorskip("cutlass")
-    from ffa_kernels.cute.config import BwdConfig
+    from ffa_kernels.cute.config import BwdConfig  # pure Python: runs without cutlass too
 
     with pytest.raises(AssertionError, match="shared memory"):
         BwdConfig(head_dim=128, tile_m=80, num_stages=4)

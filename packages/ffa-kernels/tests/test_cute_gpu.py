@@ -15,7 +15,6 @@ import torch
 from ffa_kernels.testing import (
     block_causal_slices,
     grid_slices,
-    is_sm90,
     segment_id_slices,
     sliding_window_slices,
     varlen_slices,
@@ -24,9 +23,6 @@ from ffa_kernels.testing import (
 pytestmark = pytest.mark.gpu
 
 pytest.importorskip("cutlass")
-
-
-requires_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU")
 
 
 # ----------------------------------------------------------------------------- oracle
@@ -147,7 +143,7 @@ def random_slices(rng, tq, tk, n):
 
 
 # ----------------------------------------------------------------------------- tests
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_full_and_causal(d, dtype):
@@ -156,7 +152,7 @@ def test_full_and_causal(d, dtype):
     run_case([[0, 900]], [[0, 300]], [1], 900, 300, d=d, dtype=dtype)  # sq > sk: first rows empty
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("typ", [0, 1, 2, 3])
 def test_varlen_each_type(typ):
     qr, kr, ty, t = varlen_slices([1, 77, 128, 300, 129, 513], typ)
@@ -174,7 +170,7 @@ def _short_documents(seed: int, tq: int) -> list[list[int]]:
     return docs
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("typ", [0, 1])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_short_documents_on_segment_tiles(typ, d, monkeypatch):
@@ -196,7 +192,7 @@ def test_short_documents_on_segment_tiles(typ, d, monkeypatch):
     run_case(qr, qr, ty, tq, tq, hq=4, hk=4, d=d, dtype=torch.float16)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_short_documents_accumulate(monkeypatch):
     """The accumulate epilogue on segment tiles (forced): two calls over the same short
     documents (first and second half of each document's keys), rows of no document bitwise
@@ -216,7 +212,7 @@ def test_short_documents_accumulate(monkeypatch):
     run_accumulate_case(calls, tq, tq, hq=8, hk=2, d=128, max_logits=True, poison_empty=True)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_shared_q_rows_mixed_types():
     qr = [[0, 300], [0, 300], [300, 310], [310, 600], [310, 600]]
     kr = [[0, 100], [100, 500], [0, 700], [0, 50], [60, 61]]
@@ -225,7 +221,7 @@ def test_shared_q_rows_mixed_types():
     run_case(qr, kr, ty, 640, 700, d=128)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("seed", range(6))
 def test_random_slices(seed):
     rng = random.Random(seed)
@@ -236,7 +232,7 @@ def test_random_slices(seed):
     run_case(qr, kr, ty, tq, tk, d=d, dtype=dtype, seed=seed)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_uncovered_rows_and_empty():
     # rows 0..99 and 400..511 uncovered
     run_case([[100, 400]], [[0, 256]], [0], 512, 256)
@@ -244,14 +240,14 @@ def test_uncovered_rows_and_empty():
     run_case([[0, 0]], [[0, 0]], [0], 200, 100)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (6, 3), (64, 8), (8, 8)])
 def test_gqa(hq, hk):
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_softcap_and_max_logits(d):
     qr, kr, ty, t = varlen_slices([500, 300], 1)
@@ -260,7 +256,7 @@ def test_softcap_and_max_logits(d):
     run_case(qr, kr, ty, t, t, d=d, softcap=5.0)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("layout", ["sh", "ssh"])
 def test_sink(layout):
     qr, kr, ty, t = varlen_slices([257, 400], 1)
@@ -268,7 +264,7 @@ def test_sink(layout):
     run_case([[100, 400]], [[0, 256]], [2], 512, 256, sink_layout=layout)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_sliding_window_block_causal_and_segment_ids(dtype, d):
@@ -281,7 +277,7 @@ def test_sliding_window_block_causal_and_segment_ids(dtype, d):
     run_case(qr, kr, ty, len(ids), len(ids), d=d, dtype=dtype, hq=8, hk=2)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_long_varlen_causal():
     rng = random.Random(3)
     lengths = [rng.randrange(64, 1500) for _ in range(6)]
@@ -289,7 +285,7 @@ def test_long_varlen_causal():
     run_case(qr, kr, ty, t, t, hq=4, hk=2)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_deterministic_repeat():
     from ffa_kernels.cute import cute_forward
 
@@ -402,7 +398,7 @@ def _three_key_sets(tq, tk, types=(0, 1, 2)):
     ]
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_accumulate_three_key_sets(d, dtype):
@@ -413,7 +409,7 @@ def test_accumulate_three_key_sets(d, dtype):
     run_accumulate_case(calls, 640, 300, d=d, dtype=dtype)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("seed", range(6))
 def test_accumulate_random(seed):
     """Random disjoint slices dealt to 2-3 calls (by key block), optionally a prior partial."""
@@ -433,7 +429,7 @@ def test_accumulate_random(seed):
     run_accumulate_case(calls, tq, tk, prior=prior, d=d, dtype=dtype, seed=seed)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_accumulate_prior_and_poison():
     """Starting from a finite partial (rows of the prior only must stay bitwise untouched) and
     from NaN in the out of -inf rows (taken over where a call covers the row, kept elsewhere)."""
@@ -448,7 +444,7 @@ def test_accumulate_prior_and_poison():
     run_accumulate_case(calls, 900, 1000, prior=prior, poison_empty=True)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_accumulate_softcap_max_logits_gqa(d):
     calls = _three_key_sets(800, 700, types=(1, 0, 3))
@@ -458,7 +454,7 @@ def test_accumulate_softcap_max_logits_gqa(d):
     run_accumulate_case(calls, 800, 700, d=d, softcap=5.0, max_logits=True, prior=prior)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_accumulate_one_call_matches_cute_forward_and_empty_call():
     from ffa_kernels.cute import cute_forward, cute_forward_accumulate
 
@@ -485,7 +481,7 @@ def test_accumulate_one_call_matches_cute_forward_and_empty_call():
     assert _bits_equal(out_acc, o0) and _bits_equal(lse_acc, l0)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["d128", "mla192_128"])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
 def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype, dims):
@@ -523,7 +519,7 @@ def test_frontend_stages_use_the_kernel(monkeypatch, acc_dtype, dims):
     assert torch.allclose(ml_acc.double(), m64, rtol=1e-3, atol=1e-3)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("layout", ["sh", "ssh"])
 def test_whole_forward_uses_the_kernel(monkeypatch, layout):
     """ffa_forward on sm90 (FFA_BACKEND=cute): one kernel call with the sink inside, out in bf16,
@@ -554,7 +550,7 @@ def test_whole_forward_uses_the_kernel(monkeypatch, layout):
     assert torch.allclose(ml.double(), m64, rtol=1e-3, atol=1e-3)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_packed_kv_read_in_place(monkeypatch, accumulate):
     """K/V as views kv[:, 0] / kv[:, 1] of a (Tk, 2, Hk, D) tensor (rows 2*Hk*D apart): the kernel
@@ -584,7 +580,7 @@ def test_packed_kv_read_in_place(monkeypatch, accumulate):
     assert _bits_equal(results[0][0], results[1][0]) and _bits_equal(results[0][1], results[1][1])
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_head_dim_256_training_step():
     """flex_flash_attn_func at head_dim 256: the forward on the kernel, the backward on the
     reference (the backward kernel serves 64 and 128), both against float64 autograd."""
@@ -614,7 +610,7 @@ def test_head_dim_256_training_step():
 MLA = dict(d=192, dv=128)  # q/k head dim 192, v (and out) head dim 128
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mla_full_and_causal(dtype):
     run_case([[0, 1000]], [[0, 1000]], [0], 1000, 1000, dtype=dtype, **MLA)
@@ -622,7 +618,7 @@ def test_mla_full_and_causal(dtype):
     run_case([[0, 900]], [[0, 300]], [1], 900, 300, dtype=dtype, **MLA)  # sq > sk: first rows empty
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("typ", [0, 1, 2, 3])
 def test_mla_varlen_each_type_and_uncovered_rows(typ):
     qr, kr, ty, t = varlen_slices([1, 77, 128, 300, 129, 513], typ)
@@ -631,7 +627,7 @@ def test_mla_varlen_each_type_and_uncovered_rows(typ):
     run_case([[100, 400]], [[0, 256]], [typ], 512, 256, **MLA)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (16, 16)])
 def test_mla_gqa_softcap_sink_and_max_logits(hq, hk):
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
@@ -640,7 +636,7 @@ def test_mla_gqa_softcap_sink_and_max_logits(hq, hk):
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk, sink_layout="ssh", seed=1, **MLA)
 
 
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("seed", range(3))
 def test_mla_random_slices(seed):
     rng = random.Random(50 + seed)
@@ -649,7 +645,7 @@ def test_mla_random_slices(seed):
     run_case(qr, kr, ty, tq, tk, dtype=rng.choice([torch.bfloat16, torch.float16]), seed=seed, **MLA)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_mla_accumulate():
     """The accumulate epilogue at 192 / 128: three key sets (rows no call covers stay bitwise
     untouched), a prior partial with NaN in its empty rows, softcap + max_logits with GQA."""
@@ -661,7 +657,7 @@ def test_mla_accumulate():
     run_accumulate_case(calls, 800, 700, softcap=20.0, max_logits=True, hq=8, hk=2, **MLA)
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_mla_k_and_v_strides_read_in_place(monkeypatch):
     """K and V with row strides of their own (a latent-style (Tk, 1, 192 + 128) tensor split
     into K and V; V from a packed (Tk, 2, Hk, 128) pair next to a contiguous K) are read in
@@ -692,7 +688,7 @@ def test_mla_k_and_v_strides_read_in_place(monkeypatch):
         assert all(_bits_equal(a, b) for a, b in zip(*results))
 
 
-@requires_sm90
+@pytest.mark.sm90
 def test_mla_training_step_forward_on_the_kernel_backward_on_the_reference(monkeypatch):
     """flex_flash_attn_func at 192 / 128: the forward runs on the kernel (FFA_BACKEND=cute: no
     fallback, which would raise; unset: no warning); the backward kernel does not serve it:

@@ -7,14 +7,12 @@ import pytest
 import torch
 
 from ffa_kernels import BackendFallbackWarning, _backend, flex_flash_attn_func
-from ffa_kernels.testing import dense_attention, is_sm90
+from ffa_kernels.testing import dense_attention
 
 pytestmark = pytest.mark.gpu
 
-requires_sm90 = pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU")
 
-
-@requires_sm90
+@pytest.mark.sm90
 @pytest.mark.parametrize("scale", [0.0, -0.07])
 def test_non_positive_scale_runs_on_the_reference(scale):
     _backend.reset_cache()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from ffa_kernels import accumulator_dtype, ffa_backward_stage, ffa_forward_stage, forward_accumulators
-from ffa_kernels.testing import is_sm90
 from magi_dist.attn import _pack, _split
 
 HQ, HK = 4, 2
@@ -62,7 +61,7 @@ def test_packed_rows_on_cpu(d, dv):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not is_sm90(), reason="needs an sm90 GPU")
+@pytest.mark.sm90
 @pytest.mark.parametrize("d, dv", [(128, 128), (64, 64), (192, 128)])
 def test_packed_rows_on_sm90(d, dv):
     _check(torch.device("cuda"), torch.bfloat16, d, dv)

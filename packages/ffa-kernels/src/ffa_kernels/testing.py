@@ -27,6 +27,7 @@ __all__ = [
     "dense_attention",
     "dense_mask",
     "grid_slices",
+    "is_sm90",
     "random_disjoint_slices",
     "random_problem",
     "segment_id_slices",
