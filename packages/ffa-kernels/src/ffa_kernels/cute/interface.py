@@ -222,23 +222,17 @@ def _rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(k, v, row stride in elements)`` as the kernel reads them: dense rows (`has_dense_rows`)
-    a multiple of 16 bytes apart, the same for K and V (packed K/V, e.g. views ``kv[:, 0]`` /
-    ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place), bases 16-byte aligned.
-    Anything else is copied to contiguous tensors first. For the backward, which reads K and V
-    with one row stride: v must have k's shape (Dv == D)."""
+    """``(k, v, row stride in elements)`` as the backward kernel reads them, with one row stride
+    for both: each as `_rows_in_place` takes it (packed K/V, e.g. views ``kv[:, 0]`` /
+    ``kv[:, 1]`` of a ``(Tk, 2, Hk, D)`` tensor, are read in place); if their strides then
+    differ, both are copied to contiguous tensors. v must have k's shape (Dv == D)."""
     assert v.shape == k.shape, (
         f"_kv_rows: one row stride for K and V needs equal shapes, got {k.shape}, {v.shape}"
     )
-    hk, d = k.shape[1], k.shape[2]
-    stride = k.stride(0)
-
-    def readable(t: torch.Tensor) -> bool:
-        return has_dense_rows(t) and stride * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
-
-    if v.stride(0) == stride and stride < 2**31 and readable(k) and readable(v):
-        return k, v, stride
-    return _aligned16(k.contiguous()), _aligned16(v.contiguous()), hk * d
+    (k_in, k_stride), (v_in, v_stride) = _rows_in_place(k), _rows_in_place(v)
+    if k_stride == v_stride:
+        return k_in, v_in, k_stride
+    return _aligned16(k.contiguous()), _aligned16(v.contiguous()), k.shape[1] * k.shape[2]
 
 
 def _launch(

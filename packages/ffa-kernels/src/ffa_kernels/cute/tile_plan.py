@@ -184,8 +184,6 @@ def build_band_plan(
     work = work[lpt]
     if entries.shape[0] == 0:
         entries = torch.zeros(1, ENTRY_COLS, dtype=torch.int64)
-    if work.shape[0] == 0:
-        work = torch.zeros(0, WORK_COLS, dtype=torch.int64)
     return (
         work.to(torch.int32).contiguous(),
         entries.to(torch.int32).contiguous(),
