@@ -2,7 +2,9 @@
 heads, then its V heads) read in place by the stage API: forward and backward equal the same
 calls on contiguous K and V, bitwise (the backward in its deterministic mode), for v with q's
 head dim and with its own (MLA 192/128).
-On the CPU (reference backend, float64) and on an sm90 GPU (the kernels, bf16; ``gpu`` marker)."""
+On the CPU (reference backend, float64) and on an sm90 GPU (bf16; ``gpu`` marker): the kernels,
+except the backward of 192/128, which the sm90 backward does not serve (it falls back to the
+reference with a warning, so only the forward kernel reads those packed rows there)."""
 
 import pytest
 import torch

@@ -41,12 +41,17 @@ ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 
 
+def _row_width(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Elements of one packed K/V row (`_pack`): ``Hk * D + Hk * Dv``."""
+    return k.shape[1] * (k.shape[2] + v.shape[2])
+
+
 def _pack(k: torch.Tensor, v: torch.Tensor, extra_rows: int = 0) -> torch.Tensor:
     """Each token's K and V rows side by side, ``(T + extra_rows, Hk * D + Hk * Dv)``, the first T
     rows filled: one row per token is what the group-cast moves, and the kernels read the halves
     in place (``_split``: packed K/V)."""
     t, hk, d = k.shape
-    kv = k.new_empty((t + extra_rows, hk * (d + v.shape[2])))
+    kv = k.new_empty((t + extra_rows, _row_width(k, v)))
     kv[:t, : hk * d] = k.flatten(1)
     kv[:t, hk * d :] = v.flatten(1)
     return kv
@@ -222,7 +227,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
         dv = torch.zeros(v.shape, dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
         return dq, dk, dv
-    width = hk * (d + v.shape[2])
+    width = _row_width(k, v)
     parts = Partials.take(rt, (width,), f32, dev)
     # owners' sums of the remote [dK, dV] rows
     dkv_remote = torch.zeros((tk, width), dtype=f32, device=dev)

@@ -377,6 +377,12 @@ def _rank_main(
     _shutdown(True)
 
 
+# NCCL ranks: torch's watchdog sleeps 4x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default)
+# for a debug dump between a timed-out collective and ending the process; the harness times
+# ranks itself, so the dump is off and the wait short (a caller's env overrides them)
+_NCCL_RANK_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500"}
+
+
 def run_ranks(
     world: int,
     fn: Callable,
@@ -405,6 +411,7 @@ def run_ranks(
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    rank_env = {**_NCCL_RANK_ENV, **(env or {})} if backend == "nccl" else dict(env or {})
     fn_path, fn_qualname = inspect.getsourcefile(fn), fn.__qualname__
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -413,7 +420,7 @@ def run_ranks(
         hang_dump_s = max(1.0, timeout - 5.0)
         procs = []
         for r in range(world):
-            rank_args = (r, world, store, fn_path, fn_qualname, args, env or {}, results[r])
+            rank_args = (r, world, store, fn_path, fn_qualname, args, rank_env, results[r])
             procs.append(ctx.Process(target=_rank_main, args=(*rank_args, hang_dump_s, pg_timeout, backend)))
         for p in procs:
             p.start()
