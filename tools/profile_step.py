@@ -11,7 +11,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-from bench_ffa import make_cases, run_fa4, training_step
+from bench_ffa import make_cases, run_fa4, run_ffa_autograd, training_step
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -37,24 +37,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fa4", action="store_true", help="also FlashAttention-4's step")
     args = ap.parse_args()
-    from ffa_kernels import flex_flash_attn_func
-
     for case in make_cases(args.cases.split(",")):
         torch.manual_seed(0)
         qkv = [
-            torch.randn(case.total, h, case.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for h in (case.hq, case.hk, case.hk)
+            torch.randn(case.total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for h, d in ((case.hq, case.d), (case.hk, case.d), (case.hk, case.dv))
         ]
         qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
         kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
         ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
-        dout = torch.randn_like(qkv[0])
-
-        def step(qkv=qkv, qr=qr, kr=kr, ty=ty, dout=dout):
-            out, _ = flex_flash_attn_func(*qkv, qr, kr, ty)
-            torch.autograd.grad(out, qkv, dout)
-
-        steps = [("FFA", step)]
+        # both libraries' steps as bench_ffa times them: forward, backward with a fixed gradient
+        steps = [("FFA", training_step(run_ffa_autograd(*qkv, qr, kr, ty), qkv))]
         fa4 = run_fa4(case, *qkv) if args.fa4 else None
         if fa4 is not None:
             steps.append(("FA4", training_step(fa4, qkv)))

@@ -93,14 +93,14 @@ with FakeTensorMode():
 _OURS_CHILD = r"""
 import dataclasses, sys, torch
 from ffa_kernels.cute import bwd_interface as bi, interface as fwd_i
-from ffa_kernels.cute.config import BwdConfig, default_config
+from ffa_kernels.cute.config import default_bwd_config, default_config
 d, fwd = int(sys.argv[1]), sys.argv[2] == "fwd"
 fields = {k: int(v) for k, v in (kv.split("=") for kv in sys.argv[3:])}
 if fwd:
     cfg = dataclasses.replace(default_config(d), **fields)
     fwd_i.get_kernel(torch.bfloat16, cfg, False, use_disk_cache=False)
 else:
-    cfg = BwdConfig(head_dim=d, **fields)
+    cfg = dataclasses.replace(default_bwd_config(d), **fields)
     bi.get_bwd_kernel(torch.bfloat16, cfg, False, True, False, use_disk_cache=False)
 """
 

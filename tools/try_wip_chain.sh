@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Check and measure a stack of kernel steps in one wip/ folder (one step per patch), e.g.
-#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh bwd-stack [N ...]
+# Check and measure a stack of backward-kernel steps in one wip/ folder (one step per patch):
+#   source .dk/bin/env.sh && bash tools/try_wip_chain.sh FOLDER [N ...]
 # Step N is the folder's first N patches (default: every N); each step is a scratch tree
 # (tools/wip_lib.sh). Parts:
 #   1. the GPU tests of the last step (the whole stack); on a failure, those of the earlier
@@ -10,7 +10,7 @@
 #   3. the end-to-end backward (bench_ffa.py --bwd) for main and the last step, and the
 #      64-row q blocks (softcap's configuration) beside the default on the last step.
 # PART=tests, PART=kernels or PART=step runs only part 1, 2 or 3, each within one 10-minute
-# device call (all six steps of bwd-stack do not fit one call: pick some N). PART=ncu: Nsight
+# device call (five or six steps do not fit one call: pick some N). PART=ncu: Nsight
 # Compute on main's and the last step's backward kernel beside FA4's (full and causal 8k): time,
 # instructions executed and tensor-pipe activity, which says whether the stack's fewer
 # instructions per row (tools/sass_mix.py) became time. Logs go to $OUT (or ./gpu_logs).
@@ -18,8 +18,8 @@ set -uo pipefail
 folder=${1:?usage: try_wip_chain.sh FOLDER [N ...]}
 shift
 source "$(dirname "$0")/wip_lib.sh"
-[[ -d $root/wip/$folder ]] || { echo "no wip/$folder" >&2; exit 2; }
-mapfile -t patches < <(ls "$root"/wip/"$folder"/*.patch)
+mapfile -t patches < <(wip_patches "$folder")
+((${#patches[@]})) || exit 2
 steps=("$@")
 ((${#steps[@]})) || mapfile -t steps < <(seq 1 "${#patches[@]}")
 declare -A tree
@@ -34,26 +34,21 @@ finish() {
   for n in "${steps[@]}"; do rm -rf "${tree[$n]}"; done
   exit $rc
 }
-# side_env SIDE: the PYTHONPATH and tools folder of main or of step SIDE
-side_env() {
-  if [[ $1 == main ]]; then path=$(src_path "$root") dir=$root/tools
-  else path=$(src_path "${tree[$1]}") dir=${tree[$1]}/tools; fi
-}
+# tree_of SIDE: main's tree or step SIDE's scratch tree
+tree_of() { if [[ $1 == main ]]; then echo "$root"; else echo "${tree[$1]}"; fi; }
 run_tests() {
   echo "== GPU tests of $folder step $1"
   (cd "${tree[$1]}" && PYTHONPATH=$(src_path "${tree[$1]}") timeout 240 python3 -m pytest -q \
-    -p no:cacheprovider -m gpu -n 4 packages/ffa-kernels/tests/test_cute_bwd_gpu.py) 2>&1 | filter | tail -8 \
-    | tee "$out/chain_${folder}_$1_tests.log"
+    -p no:cacheprovider -m gpu -n 4 packages/ffa-kernels/tests/test_cute_bwd_gpu.py) 2>&1 | filter \
+    | tee "$out/chain_${folder}_$1_tests.log" | tail -8
   return "${PIPESTATUS[0]}"
 }
 # bench SIDE SECONDS LINES ARGS...: a tools/ script run on main's tree or a step's tree
 bench() {
-  local side=$1 secs=$2 lines=$3 path dir
+  local side=$1 secs=$2 lines=$3
   shift 3
-  side_env "$side"
   echo "== $side: $*"
-  (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout "$secs" python3 "$@") 2>&1 | filter \
-    | tail -"$lines" | tee -a "$out/chain_${folder}_$side.log"
+  run_tool "$(tree_of "$side")" "chain_${folder}_$side.log" "$secs" "$lines" python3 "$@"
 }
 if [[ $part == all || $part == tests ]] && ! run_tests "$last"; then
   rc=1
@@ -66,13 +61,12 @@ fi
 if [[ $part == ncu ]]; then
   metrics=gpu__time_duration.sum,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
   for side in main "$last"; do
-    side_env "$side"
     for mask in full causal; do
       echo "== ncu $side $mask"
-      (cd "$dir" && PYTHONPATH=$path FFA_CACHE_DIR=$(mktemp -d) timeout 200 ncu --clock-control none \
+      run_tool "$(tree_of "$side")" "chain_${folder}_ncu_$side.log" 200 0 ncu --clock-control none \
         -k regex:"FFABackwardSm90|FlashAttentionBackwardSm90" --launch-skip 2 --launch-count 2 --metrics "$metrics" \
-        python3 ncu_bwd.py "$mask") 2>&1 | grep -E "BackwardSm90|gpu__time|inst_executed|hmma" \
-        | tee -a "$out/chain_${folder}_ncu_$side.log"
+        python3 ncu_bwd.py "$mask"
+      grep -E "BackwardSm90|gpu__time|inst_executed|hmma" "$out/chain_${folder}_ncu_$side.log" | tail -6
     done
   done
   finish

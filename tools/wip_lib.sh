@@ -16,13 +16,29 @@ src_path() {
 # filter: drop CuTe DSL's warnings about arguments it cannot convert (one per compile)
 filter() { grep -v "aux_data\|exe_args"; }
 
+# wip_patches FOLDER: the patch files of wip/FOLDER in order, one per line; fails without any
+wip_patches() {
+  compgen -G "$root/wip/$1/*.patch" >/dev/null || { echo "no patches in wip/$1" >&2; return 2; }
+  ls "$root"/wip/"$1"/*.patch
+}
+
+# run_tool TREE LOG SECONDS LINES CMD...: CMD (e.g. python3 bench_ffa.py ...) in TREE's tools/
+# with TREE's packages and a fresh kernel cache, under `timeout SECONDS`; the whole output is
+# appended to $out/LOG and its last LINES lines shown. Returns CMD's status.
+run_tool() {
+  local tree=$1 log=$2 secs=$3 lines=$4
+  shift 4
+  (cd "$tree/tools" && PYTHONPATH=$(src_path "$tree") FFA_CACHE_DIR=$(mktemp -d) timeout "$secs" "$@") 2>&1 \
+    | filter | tee -a "$out/$log" | tail -"$lines"
+  return "${PIPESTATUS[0]}"
+}
+
 # patched_tree FOLDER [N]: a scratch copy of packages/, tools/ and the pytest configuration with
 # the first N patches of wip/FOLDER applied (all when N is left out), by git apply: the device's
 # copy of the tree has no usable git history. Prints the copy's path; fails if they do not apply.
 patched_tree() {
   local folder=$1 scratch patches
-  [[ -d $root/wip/$folder ]] || { echo "no wip/$folder" >&2; return 2; }
-  mapfile -t patches < <(ls "$root"/wip/"$folder"/*.patch)
+  mapfile -t patches < <(wip_patches "$folder") || return 2
   (($# > 1)) && patches=("${patches[@]:0:$2}")
   scratch=$(mktemp -d)
   cp -r "$root/packages" "$root/tools" "$root/pyproject.toml" "$root/conftest.py" "$scratch/"
