@@ -5,10 +5,12 @@ waits for that hand-off, so the kernel never ended.)
 
     python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,tile_m64]
                                      [--whole 0,1,2,4,8] [--deterministic]
+                                     [--lengths many-short,uniform --totals 32768]
 
 ``--whole``: also time `cute_backward` (one whole backward, gradients in the input dtype) with
 that many q heads per CTA (0: the default choice); ``--deterministic``: each of those also with
-``deterministic=True`` (ordered dQ and dK/dV adds).
+``deterministic=True`` (ordered dQ and dK/dV adds). ``--lengths`` / ``--totals``: bench_ffa's
+varlen grid (document length distributions) after the named cases.
 """
 
 from __future__ import annotations
@@ -59,10 +61,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--whole", default="")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--lengths", default="", help="bench_ffa's length distributions, comma-separated")
+    ap.add_argument("--totals", default="32768", help="their totals, comma-separated")
     args = ap.parse_args()
     from ffa_kernels.cute import cute_backward, cute_backward_stage, cute_forward
 
-    for case in make_cases(args.cases.split(",")):
+    lengths = [x for x in args.lengths.split(",") if x]
+    totals = [int(x) for x in args.totals.split(",") if x]
+    for case in make_cases(args.cases.split(","), lengths, totals):
         torch.manual_seed(0)
         q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=torch.bfloat16)

@@ -1,13 +1,17 @@
 """Where the time of one training step of attention goes: every CUDA kernel of
 ``flex_flash_attn_func``'s forward + backward (torch.profiler), summed by name, per case; with
-``--fa4``, FlashAttention-4's step on the same inputs below it.
+``--fa4``, FlashAttention-4's step on the same inputs below it. Each step also says how long the
+GPU sat idle between its first and last kernel (host stalls: a sync, or launches slower than
+the kernels); ``--trace DIR`` writes each profile (CPU ops too) as a Chrome trace there.
 
-    python tools/profile_step.py [--cases full8k,causal8k] [--steps 5] [--fa4]
+    python tools/profile_step.py [--cases full8k,causal8k] [--steps 5] [--fa4] [--trace DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from collections import defaultdict
 
 import torch
@@ -15,20 +19,38 @@ from bench_ffa import make_cases, run_fa4, run_ffa_autograd, training_step
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(fn, steps: int) -> dict[str, tuple[int, float]]:
-    """{kernel name: (calls per step, microseconds per step)} over ``steps`` runs of ``fn``."""
+def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tuple[int, float]], float]:
+    """{kernel name: (calls per step, microseconds per step)} over ``steps`` runs of ``fn``, and
+    the GPU's idle microseconds per step: the span from the first kernel's start to the last
+    one's end, less the time some kernel ran. ``trace``: a Chrome trace file to write (CPU ops
+    and kernels)."""
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     acc: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             acc[ev.name][0] += 1
             acc[ev.name][1] += ev.device_time
-    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}
+            spans.append((ev.time_range.start, ev.time_range.end))
+    spans.sort()
+    busy, reach = 0.0, None
+    for start, end in spans:  # union of the kernels' intervals (streams may overlap)
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    idle = (spans[-1][1] - spans[0][0] - busy) if spans else 0.0
+    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}, idle / steps
 
 
 def main() -> None:
@@ -36,6 +58,7 @@ def main() -> None:
     ap.add_argument("--cases", default="full8k,causal8k")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fa4", action="store_true", help="also FlashAttention-4's step")
+    ap.add_argument("--trace", help="folder for Chrome traces, one per case and library")
     args = ap.parse_args()
     for case in make_cases(args.cases.split(",")):
         torch.manual_seed(0)
@@ -52,9 +75,15 @@ def main() -> None:
         if fa4 is not None:
             steps.append(("FA4", training_step(fa4, qkv)))
         for lib, fn in steps:
-            times = kernel_times(fn, args.steps)
+            trace = None
+            if args.trace:
+                os.makedirs(args.trace, exist_ok=True)
+                trace = os.path.join(args.trace, re.sub(r"\W+", "_", case.name) + f"_{lib}.json")
+            times, idle = kernel_times(fn, args.steps, trace)
             total = sum(us for _, us in times.values())
-            print(f"\n{case.name}, {lib}: {total:.0f} us of kernels per step")
+            print(
+                f"\n{case.name}, {lib}: {total:.0f} us of kernels per step, GPU idle {idle:.0f} us between them"
+            )
             for name, (n, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
                 print(f"  {us:9.1f} us  x{n:<3d} {name[:110]}")
 

@@ -548,3 +548,40 @@ def test_compile_bwd_preprocess_variants(tmp_path, monkeypatch):
             fn = bwd_interface._preprocess_launcher(do_dtype, out_dtype, d)
             assert isinstance(fn, kernel_args.PackedLauncher), (do_dtype, out_dtype, d)
     assert len(list(tmp_path.rglob("ffa_bwd_pre_*.o"))) == 2 * len(pairs)
+
+
+@pytest.mark.parametrize(
+    "mask, rows",
+    [("sliding_window", 64), ("causal", 80), ("full", 80), ("varlen_causal", 80)],
+)
+def test_deterministic_rows_follow_the_walk_length(mask, rows):
+    """The deterministic backward keeps the default 80-row q blocks at D 128 where key tiles walk
+    long (full, causal, long documents) and takes 64 rows on a sliding window, whose 128-key tiles
+    walk about 15 blocks (measured: +36% against +9% over the default backward on an H100)."""
+    from ffa_kernels.cute.bwd_interface import deterministic_tile_m
+    from ffa_kernels.cute.config import default_bwd_config
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu, mean_walk
+
+    n, w = 8192, 1024
+    if mask == "sliding_window":
+        qr, kr, ty = [[0, w], [w, n]], [[0, w], [0, n]], [1, 3]  # causal band of width w
+    elif mask == "varlen_causal":
+        bounds = [0, 1000, 7000, n]
+        qr = [[a, b] for a, b in zip(bounds[:-1], bounds[1:])]
+        kr, ty = qr, [1] * len(qr)
+    else:
+        qr, kr, ty = [[0, n]], [[0, n]], [1 if mask == "causal" else 0]
+    t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cfg = default_bwd_config(128)
+    work, _, _ = build_bwd_plan_cpu(t(qr), t(kr), t(ty), n, cfg.tile_n, cfg.tile_m, aligned=True)
+    assert deterministic_tile_m(cfg.tile_m, mean_walk(work)) == rows
+
+
+def test_mean_walk_weights_by_work():
+    """Two tiles of 2 and 8 blocks: (4 + 64) / 10; an empty plan walks 0."""
+    from ffa_kernels.cute.tile_plan import mean_walk
+
+    work = torch.zeros(2, 5, dtype=torch.int32)
+    work[:, 3] = torch.tensor([2, 8])
+    assert mean_walk(work) == pytest.approx(6.8)
+    assert mean_walk(torch.zeros(0, 5, dtype=torch.int32)) == 0.0

@@ -51,6 +51,8 @@ class TilePlan:
     num_work: int
     num_entries: int
     total_blocks: int  # sum over work tiles of their blocks (per head)
+    # the work-weighted mean of the blocks a work tile walks: sum(blocks^2) / sum(blocks)
+    walk_blocks: float = 0.0
     # deterministic backward plans only: int32 (W + total_blocks,): per work tile the index of
     # its first block visit, offset by W, then per visit its rank among the visits to the same
     # q block (`visit_ranks`)
@@ -315,6 +317,14 @@ def deterministic_order(work: torch.Tensor, entries: torch.Tensor, tile_m: int) 
     return order
 
 
+def mean_walk(work: torch.Tensor) -> float:
+    """The work-weighted mean of the blocks (``work[:, 3]``) a work tile walks: the walk
+    length that most of the time is spent in (0.0 for an empty plan)."""
+    blocks = work[:, 3].to(torch.float64)
+    total = float(blocks.sum())
+    return float((blocks * blocks).sum()) / total if total > 0 else 0.0
+
+
 def visit_ranks(work: torch.Tensor, entries: torch.Tensor, tile_m: int) -> torch.Tensor:
     """The deterministic backward's order of the dQ reduce-adds, int32 ``(W + V,)``.
 
@@ -427,6 +437,7 @@ def _get_plan_by_content(
         num_work=int(work.shape[0]),
         num_entries=int(entries.shape[0]),
         total_blocks=total_blocks,
+        walk_blocks=mean_walk(work),
         ranks=None if ranks is None else ranks.to(device, non_blocking=False),
     )
     if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
