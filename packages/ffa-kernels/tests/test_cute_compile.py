@@ -585,3 +585,27 @@ def test_mean_walk_weights_by_work():
     work[:, 3] = torch.tensor([2, 8])
     assert mean_walk(work) == pytest.approx(6.8)
     assert mean_walk(torch.zeros(0, 5, dtype=torch.int32)) == 0.0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("given", [False, True])
+def test_backward_plan_takes_the_deterministic_rows(monkeypatch, deterministic, given):
+    """`_plan_and_split` (no GPU: the SM count is stubbed): a deterministic call without a config
+    on a sliding window gets 64-row blocks and a plan aligned to them; the default mode, or a
+    config the caller passed, keeps its rows."""
+    from ffa_kernels.cute import bwd_interface
+    from ffa_kernels.cute.config import default_bwd_config
+
+    monkeypatch.setattr(bwd_interface, "_num_sms", lambda index: 132)
+    n, w = 8192, 1024
+    q = torch.empty(n, 16, 128, dtype=torch.bfloat16)
+    k = torch.empty(n, 16, 128, dtype=torch.bfloat16)
+    t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    ranges = (t([[0, w], [w, n]]), t([[0, w], [0, n]]), t([1, 3]))
+    cfg = default_bwd_config(128)
+    plan, split, used = bwd_interface._plan_and_split(q, k, *ranges, cfg, None, deterministic, given)
+    rows = 64 if deterministic and not given else cfg.tile_m
+    assert used.tile_m == rows and split == 1
+    if deterministic:
+        assert plan.ranks is not None
+        assert bool((plan.entries[: plan.num_entries, 0] % rows == 0).all())

@@ -292,24 +292,28 @@ def _launch(
 # behind the one it waits for: a lag per CTA that long walks absorb and short ones do not. 64-row
 # blocks put them 2 blocks apart. Measured on an H100 (deterministic against the default
 # backward, 80 / 64 rows; `tile_plan.mean_walk` at 80 rows): sliding window 8k w1024 (walk 15)
-# +36% / +9%, varlen causal 32k (26) +18% / +23%, GQA 64:8 varlen causal 32k (61) +11% / +15%,
+# +36% / +8 to +9% (two runs), varlen causal 32k (26) +18% / +23%, GQA 64:8 varlen causal 32k (61) +11% / +15%,
 # causal 8k (69) +8% / +19%, full 8k (103) +15% / +25%. The threshold lies between 15 and 26.
+# Only the 80-row default (D 128) moves: D 64's 128-row blocks were not measured this way.
 DET_SHORT_WALK_BLOCKS = 20
+DET_SHORT_WALK_FROM_ROWS = 80
 DET_SHORT_WALK_ROWS = 64
 
 
 def deterministic_tile_m(tile_m: int, walk_blocks: float) -> int:
     """The q block rows of the deterministic backward for a plan at ``tile_m`` rows whose key
-    tiles walk ``walk_blocks`` blocks (`tile_plan.mean_walk`): 64 when the walks are short."""
-    if tile_m > DET_SHORT_WALK_ROWS and walk_blocks < DET_SHORT_WALK_BLOCKS:
+    tiles walk ``walk_blocks`` of those blocks (`tile_plan.mean_walk`): 80-row blocks become 64
+    when the walks are short; any other height stays."""
+    if tile_m == DET_SHORT_WALK_FROM_ROWS and walk_blocks < DET_SHORT_WALK_BLOCKS:
         return DET_SHORT_WALK_ROWS
     return tile_m
 
 
 def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic, chosen):
     """``(plan, q heads per CTA, cfg)``: the backward plan and its config, which in deterministic
-    mode moves to 64-row q blocks on masks whose key tiles walk few blocks (``chosen``: cfg is
-    the caller's, kept as it is)."""
+    mode moves to 64-row q blocks on masks whose key tiles walk few blocks (`deterministic_tile_m`;
+    the 80-row plan it reads that from stays cached). ``chosen``: cfg is the caller's, kept as
+    it is, so a deterministic result depends on whether ``config`` was passed."""
     total_k, hk, _ = k.shape
 
     def plan_for(c: BwdConfig):

@@ -31,7 +31,8 @@ Warp specialisation (384 threads):
   warpgroup 0, warp 1  dQ writer: per block and consumer warpgroup, waits until the warpgroup
                        has written its float32 dQ tile (named barrier DQFull), issues the TMA
                        reduce-add and, once the copy has read the tile, frees it (DQEmpty), so
-                       the consumers never wait on the copy;
+                       the consumers never wait on the copy (deterministic mode: the adds to a
+                       q block in a fixed order through a semaphore, see ``dq_writer``);
   warpgroups 1, 2      consumers: 64 keys each for S^T, dP^T, dV, dK; for dQ each computes
                        half of the head dim over all 128 keys. The shared dS tile is
                        double-buffered (by block parity), so one named barrier per block (PdS,
@@ -657,7 +658,8 @@ class FFABackwardSm90:
                                 barrier_id=int(NamedBarrier.DQFullWG1) + wg, number_of_threads=threads
                             )
                             self.dq_reduce_add(tma_atom_dq, sdQ, gdQ_head, qb, wg)
-                        # released once the adds have landed, not only read shared memory
+                        # released once the adds have landed, not only read shared memory (lane 0
+                        # waits and releases: it is the lane the TMA copies elect)
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
                         if cute.arch.lane_idx() == 0:
                             add_release_i32(sem, 1)

@@ -318,8 +318,9 @@ def deterministic_order(work: torch.Tensor, entries: torch.Tensor, tile_m: int) 
 
 
 def mean_walk(work: torch.Tensor) -> float:
-    """The work-weighted mean of the blocks (``work[:, 3]``) a work tile walks: the walk
-    length that most of the time is spent in (0.0 for an empty plan)."""
+    """The work-weighted mean of the blocks (``work[:, 3]``) a work tile walks: the mean walk
+    length seen by a block visit drawn at random, so long tiles weigh more (0.0 for an empty
+    plan)."""
     blocks = work[:, 3].to(torch.float64)
     total = float(blocks.sum())
     return float((blocks * blocks).sum()) / total if total > 0 else 0.0
