@@ -133,7 +133,7 @@ def _backward_results_alias_the_pool(world: int, rank: int, group) -> bool:
     buffer (the local rows' gradients are computed in it: they must be returned apart)."""
     rt = _runtime(VARLEN, world, rank, 0, group)
     q, k, v, dout = (_take_local(t, rt, 0.0) for t in _inputs(VARLEN, torch.float64, seed=9))
-    out, lse, _ = attn._forward(rt, q, k, v, None, "sh", D**-0.5, 0.0, False)
+    out, lse, _, _ = attn._forward(rt, q, k, v, None, "sh", D**-0.5, 0.0, False)
     first = attn._backward(rt, dout, q, k, v, out, lse, D**-0.5, 0.0, False)
     kept = [t.clone() for t in first]
     attn._backward(rt, 2 * dout, q, k, v, out, lse, D**-0.5, 0.0, False)

@@ -5,7 +5,9 @@ remote stage's K/V is prefetched while the previous stage computes; partials mer
 in float32. A rank whose rows see one key set (overlap degree 0: all remote K/V first, then one
 call over ``[local; remote]``) makes one plain kernel call, sink included. Backward: reuses the
 saved out/lse, re-casts each stage's K/V, computes dq locally and group-reduces each stage's
-partial dK/dV to their owners while the next stage computes.
+partial dK/dV to their owners while the next stage computes. With ``MAGI_DIST_KEEP_KV=1`` (the
+same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows for the backward,
+which then casts nothing: one collective less per step, for the memory of those rows.
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -39,6 +41,17 @@ from magi_dist.runtime import DistAttnRuntime, StageTensors, get_runtime
 
 ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
+ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
+
+
+def keep_kv() -> bool:
+    """``$MAGI_DIST_KEEP_KV`` (read at each forward; it must be the same on every rank, as the
+    backward's collectives follow it): ``1`` keeps the degree-0 forward's gathered K/V rows for the
+    backward, ``0`` or unset casts them again there."""
+    value = os.environ.get(ENV_KEEP_KV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_KEEP_KV}: expected 0 or 1 (or unset), got {value!r}")
+    return value == "1"
 
 
 def _row_width(k: torch.Tensor, v: torch.Tensor) -> int:
@@ -190,9 +203,12 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
 
 
 def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
+    """``(out, lse, max_logits, kv)``: ``kv`` the degree-0 call's packed ``[local; remote]``
+    K/V rows (None on the other paths), which the backward may reuse."""
     dev = q.device
     single = (sink, sink_layout, scale, softcap, want_max)
     remote = rt.remote_tensors(dev)[0] if rt.me.calc.kv_concat else None
+    kv = None
     if remote is not None and not remote.empty:
         kv = _concat_kv(rt, k, v)
         out, lse, ml = _single_stage(q, *_split(kv, *k.shape[1:]), remote, *single)
@@ -205,17 +221,21 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
         red = ml.to(rt.comm_device())
         dist.all_reduce(red, op=dist.ReduceOp.MAX, group=rt.group)
         ml = red.to(dev)
-    return out, lse, None if ml is None else ml.float()
+    return out, lse, None if ml is None else ml.float(), kv
 
 
-def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det):
+def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det, kept=None):
     """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
     repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
 
     The partial [dK, dV] buffers (packed rows like the K/V they belong to) come from
     ``Partials`` (``magi_dist.partials``): symmetric outputs of the group's collective where its
     backend has them (native: the owners read the rows in place), else plain zeros; taken
-    before the call's first collective."""
+    before the call's first collective.
+
+    ``kept``: None (degree 0 casts the K/V rows again), or the forward's packed ``[local; remote]``
+    K/V rows (`keep_kv`; an empty tensor on a rank whose forward had none: it computes nothing
+    here, and casts nothing either, as no rank does then)."""
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
@@ -232,7 +252,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
     # owners' sums of the remote [dK, dV] rows
     dkv_remote = torch.zeros((tk, width), dtype=f32, device=dev)
     if rt.me.calc.kv_concat:
-        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common)
+        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common, kept)
     else:
         dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
     for w in reduces:  # fixed order: the float32 sums are deterministic
@@ -251,16 +271,26 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det)
     return dq, dk, dv
 
 
-def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):
+def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common, kept=None):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
-    tail is reduced to its owners. Returns the buffer and the reduce's work."""
+    tail is reduced to its owners. Returns the buffer and the reduce's work. ``kept``: as for
+    `_backward` (the K/V rows are not cast again)."""
     dout, q, out, lse, dq, scale, softcap, det = common
     tk, hk, d = k.shape
-    kv = _concat_kv(rt, k, v)
-    dkv = parts.zeros(0, kv.shape[0])
     st = rt.remote_tensors(q.device)[0]
-    kc, vc = _split(kv, hk, d)
-    _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
+    rows = tk + rt.cast_args[0].num_recv_tokens
+    if kept is None:
+        kv = _concat_kv(rt, k, v)
+    elif kept.numel():
+        kv = kept
+    elif st.empty:  # kept nothing: no work here, only the partial buffer's rows are needed
+        kv = None
+    else:
+        raise RuntimeError("magi_dist: the backward found no kept K/V rows for a stage with work")
+    dkv = parts.zeros(0, rows)
+    if kv is not None:
+        kc, vc = _split(kv, hk, d)
+        _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
     return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
 
 
@@ -308,8 +338,13 @@ def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
 class _DistAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, rt, sink_layout, scale, softcap, want_max, det):
-        out, lse, ml = _forward(rt, q, k, v, sink, sink_layout, scale, softcap, want_max)
-        ctx.save_for_backward(q, k, v, out, lse, sink)  # lse in accumulator precision
+        out, lse, ml, kv = _forward(rt, q, k, v, sink, sink_layout, scale, softcap, want_max)
+        # MAGI_DIST_KEEP_KV: the degree-0 K/V rows for the backward (every rank decides alike, so
+        # every rank skips the backward's cast; one without them keeps an empty tensor)
+        kept = None
+        if rt.me.calc.kv_concat and rt.cast_args and keep_kv():
+            kept = kv if kv is not None else k.new_empty(0)
+        ctx.save_for_backward(q, k, v, out, lse, sink, kept)  # lse in accumulator precision
         ctx.rt, ctx.sink_layout, ctx.scale, ctx.softcap, ctx.det = rt, sink_layout, scale, softcap, det
         lse = lse.float()
         ctx.mark_non_differentiable(lse)
@@ -320,9 +355,9 @@ class _DistAttnFunc(torch.autograd.Function):
     @staticmethod
     @once_differentiable("magi_dist.calc_attn")  # a second grad raises instead of being wrong
     def backward(ctx, dout, _dlse, _dml):
-        q, k, v, out, lse, sink = ctx.saved_tensors
+        q, k, v, out, lse, sink, kept = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = _backward(ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap, ctx.det)
+        dq, dk, dv = _backward(ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap, ctx.det, kept)
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out, dout, lse)

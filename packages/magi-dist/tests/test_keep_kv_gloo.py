@@ -1,0 +1,97 @@
+"""MAGI_DIST_KEEP_KV=1: the degree-0 backward reuses the forward's gathered K/V rows. On CPU gloo
+groups: the same gradients as without it (bitwise), no group_cast in the backward on any rank
+(also on a rank that has no work and kept nothing), and a bad value named."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import magi_dist as md
+from magi_dist.testing import Case, run_ranks, spawn_gloo
+from magi_solver import masks
+from magi_solver.testing import random_mask
+
+
+def _step(case: Case, keep: str, casts: list[str]) -> tuple[torch.Tensor, ...]:
+    """One forward + backward of ``case`` with MAGI_DIST_KEEP_KV=``keep``: this rank's (out, dq,
+    dk, dv), and in ``casts`` one "fwd" / "bwd" per group_cast call."""
+    import magi_dist.attn as attn
+
+    os.environ["MAGI_DIST_KEEP_KV"] = keep
+    g = torch.Generator().manual_seed(case.seed)
+    q, k, v, dout = (
+        torch.randn(case.total, h, case.d, generator=g, dtype=torch.float64)
+        for h in (case.hq, case.hk, case.hk, case.hq)
+    )
+    key = md.magi_attn_flex_key(
+        case.q_ranges, case.k_ranges, case.types, case.total, case.total, case.hq, case.hk, case.d,
+        None, dist_attn_config=case.config(),
+    )  # fmt: skip
+    lq, lk, lv = (md.dispatch(x, key).requires_grad_() for x in (q, k, v))
+    real, phase = attn.group_cast, ["fwd"]
+
+    def counted(*args, **kwargs):
+        casts.append(phase[0])
+        return real(*args, **kwargs)
+
+    attn.group_cast = counted
+    try:
+        out, _ = md.calc_attn(lq, lk, lv, key)
+        phase[0] = "bwd"
+        (out * md.dispatch(dout, key)).sum().backward()
+    finally:
+        attn.group_cast = real
+    return tuple(x.detach() for x in (out, lq.grad, lk.grad, lv.grad))
+
+
+def kept_equals_recast(rank: int, world: int, cases: list[Case]) -> list[tuple[int, int]]:
+    """Per case: (backward casts without keeping, with keeping); asserts bitwise equal results."""
+    seen = []
+    for case in cases:
+        plain_casts: list[str] = []
+        kept_casts: list[str] = []
+        plain = _step(case, "0", plain_casts)
+        kept = _step(case, "1", kept_casts)
+        for a, b in zip(plain, kept):
+            assert torch.equal(a, b), (case.name, rank)
+        seen.append((plain_casts.count("bwd"), kept_casts.count("bwd")))
+    return seen
+
+
+def test_kept_kv_gives_the_same_gradients_without_the_backward_cast():
+    cu = [0, 37, 121, 190]
+    cases = [
+        Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=1),
+        Case.from_mask("sliding-window", masks.sliding_window(150, (13, 0), causal=True), degree=0, seed=2),
+        Case.from_mask("random", random_mask(random.Random(3), 170, max_slices=8), degree=0, seed=3),
+        # only the first 32 rows attend: on 3 ranks some rank has no work but holds K/V others need
+        Case("idle-rank", [[0, 32]], [[0, 192]], [0], 192, degree=0, chunk=16, seed=4),
+    ]
+    for r, seen in enumerate(run_ranks(3, kept_equals_recast, cases, timeout=240)):
+        for case, (plain, kept) in zip(cases, seen):
+            assert kept == 0, (r, case.name, plain, kept)
+        # the cases cast K/V in the plain backward on some rank (else the test shows nothing)
+        assert any(plain > 0 for plain, _ in seen), (r, seen)
+
+
+def test_kept_kv_matches_single_process():
+    cu = [0, 37, 40, 121, 190]
+    segments = masks.from_segment_ids([3] * 50 + [1] * 61 + [3] * 40, causal=True)
+    cases = [
+        Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=0),
+        Case.from_mask("segments", segments, degree=0, hq=8, hk=2, seed=1),
+        Case.from_mask("mla-dv", masks.varlen(cu, causal=True), degree=0, d=24, dv=16, sink="sh", seed=2),
+    ]
+    spawn_gloo(2, cases, env={"MAGI_DIST_KEEP_KV": "1"})
+
+
+def test_a_bad_keep_kv_value_is_named(monkeypatch):
+    from magi_dist.attn import keep_kv
+
+    monkeypatch.setenv("MAGI_DIST_KEEP_KV", "yes")
+    with pytest.raises(ValueError, match="MAGI_DIST_KEEP_KV"):
+        keep_kv()
