@@ -45,8 +45,8 @@ ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 
 
 def keep_kv() -> bool:
-    """``$MAGI_DIST_KEEP_KV`` (read at each forward; it must be the same on every rank, as the
-    backward's collectives follow it): ``1`` keeps the degree-0 forward's gathered K/V rows for the
+    """``$MAGI_DIST_KEEP_KV`` (read at each forward, a forward recomputed by activation
+    checkpointing too; it must be the same on every rank, as the backward's collectives follow it): ``1`` keeps the degree-0 forward's gathered K/V rows for the
     backward, ``0`` or unset casts them again there."""
     value = os.environ.get(ENV_KEEP_KV, "").strip()
     if value not in ("", "0", "1"):
@@ -339,10 +339,11 @@ class _DistAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, rt, sink_layout, scale, softcap, want_max, det):
         out, lse, ml, kv = _forward(rt, q, k, v, sink, sink_layout, scale, softcap, want_max)
-        # MAGI_DIST_KEEP_KV: the degree-0 K/V rows for the backward (every rank decides alike, so
-        # every rank skips the backward's cast; one without them keeps an empty tensor)
+        # MAGI_DIST_KEEP_KV: the degree-0 K/V rows for the backward (with the variable alike on
+        # every rank, every rank skips the backward's cast; one without them keeps an empty tensor)
         kept = None
-        if rt.me.calc.kv_concat and rt.cast_args and keep_kv():
+        keep = keep_kv()  # checked on every call, whatever the degree
+        if keep and rt.me.calc.kv_concat and rt.cast_args:
             kept = kv if kv is not None else k.new_empty(0)
         ctx.save_for_backward(q, k, v, out, lse, sink, kept)  # lse in accumulator precision
         ctx.rt, ctx.sink_layout, ctx.scale, ctx.softcap, ctx.det = rt, sink_layout, scale, softcap, det
