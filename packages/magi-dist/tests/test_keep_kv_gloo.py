@@ -1,6 +1,8 @@
-"""MAGI_DIST_KEEP_KV=1: the degree-0 backward reuses the forward's gathered K/V rows. On CPU gloo
-groups: the same gradients as without it (bitwise), no group_cast in the backward on any rank
-(also on a rank that has no work and kept nothing), and a bad value named."""
+"""The degree-0 backward's two switches, on CPU gloo groups. MAGI_DIST_KEEP_KV=1: it reuses the
+forward's gathered K/V rows: the same gradients as without it (bitwise), no group_cast in the
+backward on any rank (also on a rank that has no work and kept nothing), a bad value named.
+MAGI_DIST_BWD_SPLIT=1: remote keys first, their reduce overlapping the local keys' kernel: the
+single-process result, with and without kept K/V, and two kernel calls where both parts exist."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import magi_dist as md
-from magi_dist.testing import Case, run_ranks, spawn_gloo
+from magi_dist.testing import Case, run_case, run_ranks, spawn_gloo
 from magi_solver import masks
 from magi_solver.testing import random_mask
 
@@ -94,3 +96,52 @@ def test_a_bad_keep_kv_value_is_named(monkeypatch):
     monkeypatch.setenv("MAGI_DIST_KEEP_KV", "yes")
     with pytest.raises(ValueError, match="MAGI_DIST_KEEP_KV"):
         keep_kv()
+
+
+def split_backward(rank: int, world: int, cases: list[Case]) -> list[int]:
+    """Each case with MAGI_DIST_BWD_SPLIT=1, K/V kept and not (checked against one process by
+    `run_case`); per run the number of backward kernel calls on this rank."""
+    import magi_dist.attn as attn
+
+    real, calls = attn.ffa_backward_stage, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    attn.ffa_backward_stage = counted
+    os.environ["MAGI_DIST_BWD_SPLIT"] = "1"
+    seen = []
+    try:
+        for case in cases:
+            for keep in ("0", "1"):
+                os.environ["MAGI_DIST_KEEP_KV"] = keep
+                calls.clear()
+                run_case(case)
+                seen.append(len(calls))
+    finally:
+        attn.ffa_backward_stage = real
+    return seen
+
+
+def test_split_backward_matches_single_process():
+    cu = [0, 37, 121, 190]
+    window = masks.sliding_window(150, (13, 0), causal=True)
+    cases = [
+        Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=5),
+        Case.from_mask("sliding-window", window, degree=0, seed=6, sink="sh", hq=4, hk=4),
+        Case.from_mask("mla-dv", masks.varlen(cu, causal=True), degree=0, d=24, dv=16, seed=7),
+        Case("idle-rank", [[0, 32]], [[0, 192]], [0], 192, degree=0, chunk=16, seed=8),
+    ]
+    seen = run_ranks(3, split_backward, cases, timeout=240)
+    # some rank ran the local and the remote keys as two calls (else nothing was split)
+    assert any(n == 2 for per_rank in seen for n in per_rank), seen
+    assert all(n <= 2 for per_rank in seen for n in per_rank), seen
+
+
+def test_a_bad_bwd_split_value_is_named(monkeypatch):
+    from magi_dist.attn import bwd_split
+
+    monkeypatch.setenv("MAGI_DIST_BWD_SPLIT", "on")
+    with pytest.raises(ValueError, match="MAGI_DIST_BWD_SPLIT"):
+        bwd_split()

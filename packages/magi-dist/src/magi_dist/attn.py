@@ -7,7 +7,10 @@ call over ``[local; remote]``) makes one plain kernel call, sink included. Backw
 saved out/lse, re-casts each stage's K/V, computes dq locally and group-reduces each stage's
 partial dK/dV to their owners while the next stage computes. With ``MAGI_DIST_KEEP_KV=1`` (the
 same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows for the backward,
-which then casts nothing: one collective less per step, for the memory of those rows.
+which then casts nothing: one collective less per step, for the memory of those rows. With
+``MAGI_DIST_BWD_SPLIT=1`` the degree-0 backward computes the remote keys' part first, starts
+their dK/dV reduce, and computes the local keys' part while it travels (two kernel calls
+instead of one; the same collectives).
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -42,16 +45,28 @@ from magi_dist.runtime import DistAttnRuntime, StageTensors, get_runtime
 ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
+ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
+def bwd_split() -> bool:
+    """``$MAGI_DIST_BWD_SPLIT`` (read at each backward; ranks may differ, as it changes no
+    collective): ``1`` splits the degree-0 backward by keys so that the remote rows' dK/dV
+    reduce overlaps the local keys' kernel."""
+    return _flag(ENV_BWD_SPLIT)
 
 
 def keep_kv() -> bool:
     """``$MAGI_DIST_KEEP_KV`` (read at each forward, a forward recomputed by activation
     checkpointing too; it must be the same on every rank, as the backward's collectives follow it): ``1`` keeps the degree-0 forward's gathered K/V rows for the
     backward, ``0`` or unset casts them again there."""
-    value = os.environ.get(ENV_KEEP_KV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_KEEP_KV}: expected 0 or 1 (or unset), got {value!r}")
-    return value == "1"
+    return _flag(ENV_KEEP_KV)
 
 
 def _row_width(k: torch.Tensor, v: torch.Tensor) -> int:
@@ -288,10 +303,20 @@ def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
     else:
         raise RuntimeError("magi_dist: the backward found no kept K/V rows for a stage with work")
     dkv = parts.zeros(0, rows)
-    if kv is not None:
-        kc, vc = _split(kv, hk, d)
-        _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
-    return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
+    split = bwd_split() and kv is not None and rt.concat_parts(q.device)
+    if not split:
+        if kv is not None:
+            kc, vc = _split(kv, hk, d)
+            _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
+        return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
+    # the remote keys first, their rows' reduce started, then the local keys while it travels
+    local, remote = split
+    kc, vc = _split(kv, hk, d)
+    dkc, dvc = _split(dkv, hk, d)
+    _bwd_stage(dout, q, kc, vc, out, lse, remote, dq, dkc, dvc, scale, softcap, det)
+    work = _start_reduce(rt, dkv[tk:], dkv_remote, 0)
+    _bwd_stage(dout, q, kc, vc, out, lse, local, dq, dkc, dvc, scale, softcap, det)
+    return dkv, [work]
 
 
 def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):

@@ -145,6 +145,34 @@ class DistAttnRuntime:
             "remote", device, lambda: [StageTensors.build(c, device) for c in self.me.calc.remote]
         )
 
+    def concat_parts(self, device: torch.device) -> tuple[StageTensors, StageTensors] | None:
+        """Degree 0: the concatenated stage's slices split by the keys they read, ``(local part,
+        remote part)`` (both in ``[local; remote]`` coordinates: keys below ``shard_seqlen`` are
+        local), or None when the rank has no such stage or a slice reads both (the planner cuts
+        bands at the host ranges, so none does)."""
+
+        def make() -> tuple[StageTensors, StageTensors] | None:
+            if not self.me.calc.kv_concat or not self.me.calc.remote:
+                return None
+            calc = self.me.calc.remote[0]
+            shard = self.shard_seqlen
+            if any(ks < shard < ke for ks, ke in calc.k_ranges):
+                return None
+            parts = []
+            for local in (True, False):
+                keep = [i for i, (ks, _) in enumerate(calc.k_ranges) if (ks < shard) == local]
+                part = StageCalc(
+                    q_ranges=[calc.q_ranges[i] for i in keep],
+                    k_ranges=[calc.k_ranges[i] for i in keep],
+                    attn_types=[calc.attn_types[i] for i in keep],
+                    total_seqlen_k=calc.total_seqlen_k,
+                    area=0,  # not read here
+                )
+                parts.append(StageTensors.build(part, device))
+            return parts[0], parts[1]
+
+        return self._cached("concat_parts", device, make)
+
     def position_ids(self, device: torch.device) -> torch.Tensor:
         """int64 ``(shard_seqlen,)``: padded global index of each local row."""
         return self._cached(
