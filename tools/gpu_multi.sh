@@ -18,6 +18,8 @@
 #   bench-step  tools/bench_dist.py --step at 64k and 128k (varlen causal / full, causal, block-causal)
 #   comm        tools/bench_comm.py (its reduce rows against the raw peer copy are the issue's)
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
+#   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
+#               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each
 # The benchmark parts loop over COMMS (default "a2av native"), DEGREES ("0 2", forward) and TOTALS
 # ("65536 131072"); narrow them to keep one call under the device's 10 minutes, e.g.
 #   COMMS=native TOTALS=131072 bash tools/gpu_multi.sh bench-step
@@ -106,5 +108,15 @@ if part cp-rows; then
   else
     echo "cp-rows: needs 4 or 8 GPUs, found $ngpu (skipped)"
   fi
+fi
+if [[ $what == switches ]]; then
+  nproc=${NPROC:-2}
+  for keep in 0 1; do
+    for split in 0 1; do
+      step "bench_step_keep${keep}_split${split}.log" 14 300 env MAGI_COMM_BACKEND=native \
+        MAGI_DIST_KEEP_KV=$keep MAGI_DIST_BWD_SPLIT=$split torchrun --standalone --nproc-per-node "$nproc" \
+        tools/bench_dist.py --step --degree 0 --totals $TOTALS
+    done
+  done
 fi
 exit $rc
