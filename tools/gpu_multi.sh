@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).

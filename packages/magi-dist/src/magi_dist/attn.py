@@ -251,6 +251,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     ``kept``: None (degree 0 casts the K/V rows again), or the forward's packed ``[local; remote]``
     K/V rows (`keep_kv`; an empty tensor on a rank whose forward had none: it computes nothing
     here, and casts nothing either, as no rank does then)."""
+    split = bwd_split()  # read (and a bad value raised) before any collective
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
@@ -267,7 +268,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     # owners' sums of the remote [dK, dV] rows
     dkv_remote = torch.zeros((tk, width), dtype=f32, device=dev)
     if rt.me.calc.kv_concat:
-        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common, kept)
+        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common, kept, split)
     else:
         dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
     for w in reduces:  # fixed order: the float32 sums are deterministic
@@ -286,10 +287,14 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     return dq, dk, dv
 
 
-def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common, kept=None):
+def _backward_concat(
+    rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common, kept=None, split: bool = False
+):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
     tail is reduced to its owners. Returns the buffer and the reduce's work. ``kept``: as for
-    `_backward` (the K/V rows are not cast again)."""
+    `_backward` (the K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote
+    keys' first, then, while their rows' reduce travels, the local keys' on the local rows alone
+    (views ``[:tk]``, so that no key tile of it reaches a row the reduce reads)."""
     dout, q, out, lse, dq, scale, softcap, det = common
     tk, hk, d = k.shape
     st = rt.remote_tensors(q.device)[0]
@@ -303,19 +308,19 @@ def _backward_concat(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
     else:
         raise RuntimeError("magi_dist: the backward found no kept K/V rows for a stage with work")
     dkv = parts.zeros(0, rows)
-    split = bwd_split() and kv is not None and rt.concat_parts(q.device)
-    if not split:
+    parts_st = rt.concat_parts(q.device) if split and kv is not None else None
+    if parts_st is None:
         if kv is not None:
             kc, vc = _split(kv, hk, d)
             _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
         return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
     # the remote keys first, their rows' reduce started, then the local keys while it travels
-    local, remote = split
-    kc, vc = _split(kv, hk, d)
-    dkc, dvc = _split(dkv, hk, d)
-    _bwd_stage(dout, q, kc, vc, out, lse, remote, dq, dkc, dvc, scale, softcap, det)
+    local, remote = parts_st
+    _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, remote, dq, *_split(dkv, hk, d), scale, softcap, det)
     work = _start_reduce(rt, dkv[tk:], dkv_remote, 0)
-    _bwd_stage(dout, q, kc, vc, out, lse, local, dq, dkc, dvc, scale, softcap, det)
+    _bwd_stage(
+        dout, q, *_split(kv[:tk], hk, d), out, lse, local, dq, *_split(dkv[:tk], hk, d), scale, softcap, det
+    )
     return dkv, [work]
 
 
