@@ -315,6 +315,7 @@ def _backward_concat(
             _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
         return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
     # the remote keys first, their rows' reduce started, then the local keys while it travels
+    assert kv is not None  # parts_st is None without K/V rows
     local, remote = parts_st
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, remote, dq, *_split(dkv, hk, d), scale, softcap, det)
     work = _start_reduce(rt, dkv[tk:], dkv_remote, 0)
