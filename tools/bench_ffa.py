@@ -489,8 +489,10 @@ def _max_diff(case: Case, o_ref, o_ffa) -> float:
 
 def _time_training_steps(case: Case, args, qkv: tuple, fns: dict, times: dict, res: dict) -> None:
     """Time a training step (forward + backward) of every library in interleaved rounds; ``times``:
-    the forward times, for the backward's share. Adds ``<name>_step``, ``<name>_bwd`` (TFLOPS) and
-    FFA's and FA4's peak memory per step to ``res``."""
+    the forward times, for the backward's share. Adds ``<name>_step``, ``<name>_bwd`` (TFLOPS),
+    and for FFA and FA4 the peak memory per step and ``<name>_step_us`` / ``<name>_step_host_us``
+    (the step's time, and the host's time to issue it: close to each other, the step is
+    host-bound) to ``res``."""
     steps = {name: training_step(f, qkv) for name, f in fns.items()}
     step_times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
@@ -501,6 +503,9 @@ def _time_training_steps(case: Case, args, qkv: tuple, fns: dict, times: dict, r
         t_fwd = _median(times[name])
         res[f"{name}_step"] = 3.5 * tflops(case, t_step)
         res[f"{name}_bwd"] = 2.5 * tflops(case, max(t_step - t_fwd, 1e-9))
+        if name in ("ffa", "fa4"):
+            res[f"{name}_step_us"] = t_step * 1e6
+            res[f"{name}_step_host_us"] = host_us(steps[name])
     res["ffa_peak_mib"], res["fa4_peak_mib"] = (
         step_peak_mib(steps.get("ffa")),
         step_peak_mib(steps.get("fa4")),
@@ -591,15 +596,17 @@ def print_step_table(rows) -> None:
     cell = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}"  # noqa: E731
     print("\n| case | FFA bwd | FA4 bwd | cuDNN bwd | Flex bwd | FFA/FA4 bwd | FFA step | FA4 step | FFA/FA4 step |"
-          " FFA/Flex step | peak MiB FFA / FA4 |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " FFA/Flex step | peak MiB FFA / FA4 | FFA µs: step / host | FA4 µs: step / host |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case, res, _ in rows:
         g = res.get
         print(
             f"| {case.name} | {cell(g('ffa_bwd'))} | {cell(g('fa4_bwd'))} | {cell(g('cudnn_bwd'))} | "
             f"{cell(g('flex_bwd'))} | {ratio(g('ffa_bwd'), g('fa4_bwd'))} | {cell(g('ffa_step'))} | "
             f"{cell(g('fa4_step'))} | {ratio(g('ffa_step'), g('fa4_step'))} | {ratio(g('ffa_step'), g('flex_step'))} | "
-            f"{cell(g('ffa_peak_mib'))} / {cell(g('fa4_peak_mib'))} |"
+            f"{cell(g('ffa_peak_mib'))} / {cell(g('fa4_peak_mib'))} | "
+            f"{cell(g('ffa_step_us'))} / {cell(g('ffa_step_host_us'))} | {cell(g('fa4_step_us'))} / "
+            f"{cell(g('fa4_step_host_us'))} |"
         )
 
 
