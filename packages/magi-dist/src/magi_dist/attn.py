@@ -48,11 +48,16 @@ ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """``$name`` (stripped, lower case; ``default`` when unset or empty), one of ``choices``."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices} (or unset: {default}), got {value!r}")
+    return value
+
+
 def _flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1 (or unset), got {value!r}")
-    return value == "1"
+    return _env_choice(name, ("0", "1"), "0") == "1"
 
 
 def bwd_split() -> bool:
@@ -354,9 +359,7 @@ def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
 
 
 def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
-    op = os.environ.get(ENV_DSINK_REDUCE, "none").lower()
-    if op not in _DSINK_OPS:
-        raise ValueError(f"{ENV_DSINK_REDUCE}: expected one of {_DSINK_OPS}, got {op!r}")
+    op = _env_choice(ENV_DSINK_REDUCE, _DSINK_OPS, "none")
     if op == "none":
         return dsink
     red = dsink.to(rt.comm_device())
@@ -376,6 +379,9 @@ class _DistAttnFunc(torch.autograd.Function):
         keep = keep_kv()  # checked on every call, whatever the degree
         if keep and rt.me.calc.kv_concat and rt.cast_args:
             kept = kv if kv is not None else k.new_empty(0)
+        if kept is not None and kept.numel():
+            # the kept rows hold a copy of the local K/V: save views of it, not k and v too
+            k, v = _split(kept[: k.shape[0]], *k.shape[1:])
         ctx.save_for_backward(q, k, v, out, lse, sink, kept)  # lse in accumulator precision
         ctx.rt, ctx.sink_layout, ctx.scale, ctx.softcap, ctx.det = rt, sink_layout, scale, softcap, det
         lse = lse.float()

@@ -148,28 +148,29 @@ class DistAttnRuntime:
     def concat_parts(self, device: torch.device) -> tuple[StageTensors, StageTensors] | None:
         """Degree 0: the concatenated stage's slices split by the keys they read, ``(local part,
         remote part)`` (both in ``[local; remote]`` coordinates: keys below ``shard_seqlen`` are
-        local), or None when the rank has no such stage or a slice reads both (the planner cuts
-        bands at the host ranges, so none does)."""
+        local); None when the rank has no such stage. The planner builds that stage from bands
+        cut at the host ranges (``magi_solver.plan``, ``calc_meta``), so no slice reads both."""
 
         def make() -> tuple[StageTensors, StageTensors] | None:
             if not self.me.calc.kv_concat or not self.me.calc.remote:
                 return None
             calc = self.me.calc.remote[0]
             shard = self.shard_seqlen
-            if any(ks < shard < ke for ks, ke in calc.k_ranges):
-                return None
-            parts = []
-            for local in (True, False):
-                keep = [i for i, (ks, _) in enumerate(calc.k_ranges) if (ks < shard) == local]
-                part = StageCalc(
-                    q_ranges=[calc.q_ranges[i] for i in keep],
-                    k_ranges=[calc.k_ranges[i] for i in keep],
-                    attn_types=[calc.attn_types[i] for i in keep],
-                    total_seqlen_k=calc.total_seqlen_k,
-                    area=0,  # not read here
+            local = [ks < shard for ks, _ in calc.k_ranges]
+            assert not any(ks < shard < ke for ks, ke in calc.k_ranges), "a slice reads local and remote keys"
+            return tuple(  # type: ignore[return-value]
+                StageTensors.build(
+                    StageCalc(
+                        q_ranges=[r for r, m in zip(calc.q_ranges, local) if m == want],
+                        k_ranges=[r for r, m in zip(calc.k_ranges, local) if m == want],
+                        attn_types=[t for t, m in zip(calc.attn_types, local) if m == want],
+                        total_seqlen_k=calc.total_seqlen_k,
+                        area=0,  # not read here
+                    ),
+                    device,
                 )
-                parts.append(StageTensors.build(part, device))
-            return parts[0], parts[1]
+                for want in (True, False)
+            )
 
         return self._cached("concat_parts", device, make)
 

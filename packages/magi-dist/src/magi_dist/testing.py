@@ -239,7 +239,7 @@ def spawn_gloo(
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.spawn(
             _worker,
-            args=(world, os.path.join(tmp, "store"), cases, env or {}, backend),
+            args=(world, os.path.join(tmp, "store"), cases, _rank_env(env, backend), backend),
             nprocs=world,
             join=False,
         )
@@ -383,6 +383,11 @@ def _rank_main(
 _NCCL_RANK_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "500"}
 
 
+def _rank_env(env: dict[str, str] | None, backend: str) -> dict[str, str]:
+    """The environment a rank adds to its own: the caller's, over the NCCL settings above."""
+    return {**_NCCL_RANK_ENV, **(env or {})} if backend == "nccl" else dict(env or {})
+
+
 def run_ranks(
     world: int,
     fn: Callable,
@@ -411,7 +416,7 @@ def run_ranks(
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
-    rank_env = {**_NCCL_RANK_ENV, **(env or {})} if backend == "nccl" else dict(env or {})
+    rank_env = _rank_env(env, backend)
     fn_path, fn_qualname = inspect.getsourcefile(fn), fn.__qualname__
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
