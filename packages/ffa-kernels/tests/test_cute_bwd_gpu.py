@@ -370,7 +370,7 @@ def test_bwd_preprocess_kernel(out_dtype, d, fold):
     out = torch.randn(tq, hq, d, device="cuda", dtype=out_dtype)
     lse = torch.randn(tq, hq, device="cuda") * 5
     lse[::7, 1] = float("-inf")
-    stats = bwd_preprocess(dout, out, lse, 64, fold)
+    stats = bwd_preprocess(dout, out, lse, fold)
     torch.cuda.synchronize()
     delta = (dout.float() * out.float()).sum(-1).t()
     shifted = lse.t() * 1.4426950408889634 - math.log2(fold)

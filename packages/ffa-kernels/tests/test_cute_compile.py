@@ -563,8 +563,7 @@ def test_deterministic_rows_follow_the_walk_length(mask, rows):
     """The deterministic backward keeps the default 80-row q blocks at D 128 where key tiles walk
     long (full, causal, long documents) and takes 64 rows on a sliding window, whose 128-key tiles
     walk about 15 blocks (measured: +36% against +9% over the default backward on an H100)."""
-    from ffa_kernels.cute.bwd_interface import deterministic_tile_m
-    from ffa_kernels.cute.config import default_bwd_config
+    from ffa_kernels.cute.config import default_bwd_config, deterministic_bwd_config
     from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu, mean_walk
 
     n, w = 8192, 1024
@@ -579,7 +578,7 @@ def test_deterministic_rows_follow_the_walk_length(mask, rows):
     t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     cfg = default_bwd_config(128)
     work, _, _ = build_bwd_plan_cpu(t(qr), t(kr), t(ty), n, cfg.tile_n, cfg.tile_m, aligned=True)
-    assert deterministic_tile_m(cfg.tile_m, mean_walk(work)) == rows
+    assert deterministic_bwd_config(cfg, mean_walk(work)).tile_m == rows
 
 
 def test_mean_walk_weights_by_work():
@@ -608,7 +607,9 @@ def test_backward_plan_takes_the_deterministic_rows(monkeypatch, deterministic, 
     t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     ranges = (t([[0, w], [w, n]]), t([[0, w], [0, n]]), t([1, 3]))
     cfg = default_bwd_config(128)
-    plan, split, used = bwd_interface._plan_and_split(q, k, *ranges, cfg, None, deterministic, given)
+    plan, split, used = bwd_interface._plan_and_split(
+        q, k, *ranges, cfg if given else None, 0.0, None, deterministic
+    )
     rows = 64 if deterministic and not given else cfg.tile_m
     assert used.tile_m == rows and split == 1
     if deterministic:

@@ -4,7 +4,6 @@ backward plan, argument packing, ``cute_backward_stage`` (adds into float32 accu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -12,7 +11,14 @@ import torch
 
 from .._identity_cache import IdentityCache
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
-from .config import HEAD_GROUP_SHIFT, STAT_PAD, BwdConfig, default_bwd_config
+from .config import (
+    BWD_MAX_TILE_M,
+    HEAD_GROUP_SHIFT,
+    STAT_PAD,
+    BwdConfig,
+    default_bwd_config,
+    deterministic_bwd_config,
+)
 from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
 from .kernel_args import make_launcher
 from .tile_plan import get_plan
@@ -125,12 +131,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def stat_stride(total_q: int, tile_m: int) -> int:
-    """Row length of the preprocess's (Hq, stride) tensors: Tq plus one q block and STAT_PAD
-    values of padding, so the statistics copy of a block that starts at any row below Tq (from
-    that row rounded down to 4, ``tile_m + STAT_PAD`` values) reads no further than the padding;
-    a multiple of 4, so every head's row starts 16-byte aligned."""
-    return (total_q + tile_m + STAT_PAD + 3) // 4 * 4
+def stat_stride(total_q: int) -> int:
+    """Row length of the preprocess's (Hq, stride) tensors: Tq plus the tallest q block of any
+    backward config and STAT_PAD values of padding, so the statistics copy of a block that starts
+    at any row below Tq (from that row rounded down to 4, ``tile_m + STAT_PAD`` values) reads no
+    further than the padding whatever the config (the stages of one backward may differ in
+    ``tile_m`` and share the statistics); a multiple of 4, so every head's row starts 16-byte
+    aligned."""
+    return (total_q + BWD_MAX_TILE_M + STAT_PAD + 3) // 4 * 4
 
 
 # The stages of one backward run back to back: one entry (its GPU tensor stays alive until the
@@ -198,7 +206,7 @@ def fold_scale(softmax_scale: float, dtype: torch.dtype) -> float:
 
 
 def bwd_preprocess(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int, fold: float = 1.0
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, fold: float = 1.0
 ) -> torch.Tensor:
     """float32 ``(2, Hq, stat_stride)``: ``[0]`` lse2 = lse * log2(e) - log2(fold) (+inf where
     lse = -inf, and in the padding past Tq), ``[1]`` delta = rowsum(dout * out) in float32 (0 in
@@ -211,12 +219,12 @@ def bwd_preprocess(
     if not fold > 0.0:
         raise ValueError(f"fold: must be > 0, got {fold!r}")
     shift = math.log2(fold)
-    extra = (tile_m, shift)
+    extra = shift
     hit = _STATS_CACHE.get((dout, out, lse), extra)
     if hit is not None:
         return hit
     tq, hq, d = dout.shape
-    stats = torch.empty(2, hq, stat_stride(tq, tile_m), dtype=torch.float32, device=dout.device)
+    stats = torch.empty(2, hq, stat_stride(tq), dtype=torch.float32, device=dout.device)
     if out.dtype not in (dout.dtype, torch.float32):
         out = out.to(torch.float32)
     do_c = _aligned16(dout.contiguous())
@@ -262,7 +270,7 @@ def _launch(
     q = _aligned16(q.contiguous())
     do = _aligned16(dout.to(q.dtype).contiguous())
     fold = fold_scale(softmax_scale, q.dtype)
-    stats = bwd_preprocess(do, out, lse, cfg.tile_m, fold)
+    stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
     flags = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group) << HEAD_GROUP_SHIFT
@@ -286,34 +294,11 @@ def _launch(
     )  # fmt: skip
 
 
-# Deterministic mode, config chosen here (no ``config`` given): a key tile adds to a q block after
-# the key tiles before it in CTA order (`tile_plan.visit_ranks`). With 80-row q blocks, 128-key
-# tiles on a causal or banded mask start their walks 1 or 2 blocks apart, so a tile can be one step
-# behind the one it waits for: a lag per CTA that long walks absorb and short ones do not. 64-row
-# blocks put them 2 blocks apart. Measured on an H100 (deterministic against the default
-# backward, 80 / 64 rows; `tile_plan.mean_walk` at 80 rows): sliding window 8k w1024 (walk 15)
-# +36% / +8 to +9% (two runs), varlen causal 32k (26) +18% / +23%, GQA 64:8 varlen causal 32k (61) +11% / +15%,
-# causal 8k (69) +8% / +19%, full 8k (103) +15% / +25%. The threshold lies between 15 and 26.
-# Only the 80-row default (D 128) moves: D 64's 128-row blocks were not measured this way.
-DET_SHORT_WALK_BLOCKS = 20
-DET_SHORT_WALK_FROM_ROWS = 80
-DET_SHORT_WALK_ROWS = 64
-
-
-def deterministic_tile_m(tile_m: int, walk_blocks: float) -> int:
-    """The q block rows of the deterministic backward for a plan at ``tile_m`` rows whose key
-    tiles walk ``walk_blocks`` of those blocks (`tile_plan.mean_walk`): 80-row blocks become 64
-    when the walks are short; any other height stays."""
-    if tile_m == DET_SHORT_WALK_FROM_ROWS and walk_blocks < DET_SHORT_WALK_BLOCKS:
-        return DET_SHORT_WALK_ROWS
-    return tile_m
-
-
-def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic, chosen):
-    """``(plan, q heads per CTA, cfg)``: the backward plan and its config, which in deterministic
-    mode moves to 64-row q blocks on masks whose key tiles walk few blocks (`deterministic_tile_m`;
-    the 80-row plan it reads that from stays cached). ``chosen``: cfg is the caller's, kept as
-    it is, so a deterministic result depends on whether ``config`` was passed."""
+def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, config, softcap, heads_per_cta, deterministic):
+    """``(plan, q heads per CTA, cfg)``: the backward plan and its config, ``config`` or else the
+    default, which deterministic mode moves to 64-row q blocks on masks whose key tiles walk few
+    blocks (`config.deterministic_bwd_config`; the default-config plan it reads that from stays
+    cached). So a deterministic result depends on whether ``config`` was passed."""
     total_k, hk, _ = k.shape
 
     def plan_for(c: BwdConfig):
@@ -322,10 +307,12 @@ def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta,
             backward=True, deterministic=deterministic,
         )  # fmt: skip
 
+    cfg = config or default_bwd_config(q.shape[-1], softcap > 0.0)
     plan = plan_for(cfg)
-    if deterministic and not chosen and deterministic_tile_m(cfg.tile_m, plan.walk_blocks) != cfg.tile_m:
-        cfg = dataclasses.replace(cfg, tile_m=deterministic_tile_m(cfg.tile_m, plan.walk_blocks))
-        plan = plan_for(cfg)
+    if deterministic and config is None:
+        chosen = deterministic_bwd_config(cfg, plan.walk_blocks)
+        if chosen is not cfg:
+            cfg, plan = chosen, plan_for(chosen)
     split = bwd_heads_per_cta(plan.num_work, q.shape[1], hk, _num_sms(q.device.index or 0), heads_per_cta)
     return plan, split, cfg
 
@@ -369,14 +356,13 @@ def cute_backward_stage(
     for name, t in (("dq_acc", dq_acc), ("dk_acc", dk_acc), ("dv_acc", dv_acc)):
         if t.dtype != torch.float32:
             raise NotImplementedError(f"{name}: the sm90 backward adds into float32, got {t.dtype}")
-    cfg = config or default_bwd_config(d, softcap > 0.0)
     total_q = q.shape[0]
     total_k, hk, _ = k.shape
     if total_q == 0 or total_k == 0:
         return
     dev = q.device
     plan, split, cfg = _plan_and_split(
-        q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic, config is not None
+        q, k, q_ranges, k_ranges, attn_type_map, config, softcap, heads_per_cta, deterministic
     )
     if plan.num_work == 0:
         return
@@ -428,15 +414,13 @@ def cute_backward(
     softmax_scale, softcap = kernel_scales(q, v, softmax_scale, softcap, "backward")
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
-    cfg = config or default_bwd_config(d, softcap > 0.0)
     dev = q.device
-    plan, split, cfg = (
-        (None, 1, cfg)
-        if total_q == 0 or total_k == 0
-        else _plan_and_split(
-            q, k, q_ranges, k_ranges, attn_type_map, cfg, heads_per_cta, deterministic, config is not None
+    if total_q == 0 or total_k == 0:
+        plan = None
+    else:
+        plan, split, cfg = _plan_and_split(
+            q, k, q_ranges, k_ranges, attn_type_map, config, softcap, heads_per_cta, deterministic
         )
-    )
     if plan is None or plan.num_work == 0:
         return (
             torch.zeros_like(q),

@@ -8,9 +8,10 @@ Memory-bound: ``threads_per_row`` = D / 8 consecutive threads read one (row, hea
 dout and out, 8 per thread in 16-byte (32 for float32) vector loads, and reduce the dot product
 with butterfly shuffles. One launch replaces torch's casts, product and sum (five passes).
 
-``lse2_shift`` is log2(softmax_scale): the main kernel's P = exp2(S * scale_log2 - lse2) then
-comes out as softmax_scale * P, so dS, dQ and dK carry the softmax scale with no multiply per
-block (dV divides it out once, at the end; see bwd_sm90.py).
+``lse2_shift`` is log2 of the scale the backward folds into P (``bwd_interface.fold_scale``:
+softmax_scale for bfloat16, so the main kernel's P = exp2(S * scale_log2 - lse2) comes out as
+softmax_scale * P and dS, dQ and dK carry the scale with no multiply per block, dV dividing it out
+once at the end; 1, a shift of 0, for float16; see bwd_sm90.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ Warp specialisation (384 threads):
                        buffer after the other passed the next block's barrier, i.e. finished
                        reading it.
 
-``lse2`` (lse * log2(e), +inf for rows nothing covers, so P = 0 there) and ``delta``
+``lse2`` (lse * log2(e) less the log2 of the folded scale, ``bwd_interface.fold_scale``; +inf for
+rows nothing covers, so P = 0 there) and ``delta``
 (rowsum(dO * O)) come from the host-side preprocess as float32 (Hq, stat_stride) tensors padded
 past Tq (lse2 +inf, delta 0), so a q block may run past Tq without bounds checks; Q and dO rows
 past Tq are zero-filled by the TMA unit. The consumers read them from shared memory as they use
@@ -396,7 +397,7 @@ class FFABackwardSm90:
     def load_stats(self, mStat, sStat, head, qb, stage, bar):
         """One bulk copy: ``mStat[head, a0 : a0 + stat_cols]`` into ``sStat[:, stage]``, where a0
         is qb rounded down to a multiple of 4 (rows a0 and up are 16-byte aligned: the host's
-        stat_stride is a multiple of 4 and padded past Tq by tile_m + STAT_PAD); the consumers
+        stat_stride is a multiple of 4 and padded past Tq by at least tile_m + STAT_PAD); the consumers
         read the block's rows at ``qb - a0`` on."""
         a0 = qb - qb % 4
         src = mStat.iterator + cute.crd2idx((head, a0), mStat.layout)

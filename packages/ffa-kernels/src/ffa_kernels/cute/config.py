@@ -123,6 +123,9 @@ def default_config(head_dim: int, head_dim_v: int | None = None) -> FwdConfig:
     return FwdConfig(head_dim=head_dim, tile_m=128, tile_n=128, num_stages=2)
 
 
+BWD_MAX_TILE_M = 128  # the tallest q block of a backward config (2 warpgroups x 64)
+
+
 @dataclass(frozen=True)
 class BwdConfig(_KernelConfig):
     """Static shape of one compiled backward kernel (part of its compile key).
@@ -144,6 +147,7 @@ class BwdConfig(_KernelConfig):
 
     def __post_init__(self) -> None:
         assert self.head_dim in (64, 128), "head_dim must be 64 or 128"
+        assert self.tile_m <= BWD_MAX_TILE_M  # the statistics' padding (bwd_interface.stat_stride)
         assert self.num_mma_wg == 2, "the dQ GEMM splits the head dim over 2 consumer warpgroups"
         assert self.tile_n == 64 * self.num_mma_wg
         # dQ split over the warpgroups by columns / rows, or computed transposed (80)
@@ -172,6 +176,9 @@ class BwdConfig(_KernelConfig):
         return -(-small // 1024) * 1024 + tiles
 
 
+D128_BWD_ROWS = 80  # q block rows of the D 128 backward's default config
+
+
 @functools.cache
 def default_bwd_config(head_dim: int, softcap: bool = False) -> BwdConfig:
     """128-key tiles, two consumer warpgroups; q blocks of 80 rows at D 128 and 128 rows at
@@ -180,4 +187,30 @@ def default_bwd_config(head_dim: int, softcap: bool = False) -> BwdConfig:
     509). With softcap both larger blocks spill (384 / 448 bytes), so softcap keeps 64 rows."""
     if softcap:
         return BwdConfig(head_dim=head_dim)
-    return BwdConfig(head_dim=head_dim, tile_m=80 if head_dim == 128 else 128)
+    return BwdConfig(head_dim=head_dim, tile_m=D128_BWD_ROWS if head_dim == 128 else 128)
+
+
+# Deterministic mode: a key tile adds to a q block after the key tiles before it in CTA order
+# (`tile_plan.visit_ranks`). With 80-row q blocks, 128-key tiles on a causal or banded mask start
+# their walks 1 or 2 blocks apart, so a tile can be one step behind the one it waits for: a lag per
+# CTA that long walks absorb and short ones do not. 64-row blocks put them 2 blocks apart. Measured
+# on an H100 (deterministic against the default backward, 80 / 64 rows; `tile_plan.mean_walk` at 80
+# rows): sliding window 8k w1024 (walk 15) +36% / +8 to +9% (two runs), varlen causal 32k (26)
+# +18% / +23%, GQA 64:8 varlen causal 32k (61) +11% / +15%, causal 8k (69) +8% / +19%, full 8k
+# (103) +15% / +25%. The threshold lies between 15 and 26. Only the 80-row default (D 128) moves:
+# D 64's 128-row blocks were not measured this way.
+DET_SHORT_WALK_BLOCKS = 20
+
+
+def deterministic_bwd_config(cfg: BwdConfig, walk_blocks: float) -> BwdConfig:
+    """The deterministic backward's config for a plan made with ``cfg`` whose key tiles walk
+    ``walk_blocks`` of its q blocks (`tile_plan.mean_walk`): 80-row blocks become 64 when the
+    walks are short; any other config stays."""
+    if cfg.tile_m == D128_BWD_ROWS and walk_blocks < DET_SHORT_WALK_BLOCKS:
+        return _with_rows(cfg, 64)
+    return cfg
+
+
+@functools.cache
+def _with_rows(cfg: BwdConfig, rows: int) -> BwdConfig:
+    return dataclasses.replace(cfg, tile_m=rows)

@@ -206,7 +206,7 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(t, row stride in elements)`` as the forward kernel reads K or V: dense rows
+    """``(t, row stride in elements)`` as the kernels read K or V: dense rows
     (`has_dense_rows`) a multiple of 16 bytes apart and a 16-byte aligned base are read in place
     (packed K/V views among them), anything else is copied to a contiguous tensor first. K and
     V are taken each on its own (their row strides are separate kernel arguments)."""
@@ -232,7 +232,8 @@ def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (k_in, k_stride), (v_in, v_stride) = _rows_in_place(k), _rows_in_place(v)
     if k_stride == v_stride:
         return k_in, v_in, k_stride
-    return _aligned16(k.contiguous()), _aligned16(v.contiguous()), k.shape[1] * k.shape[2]
+    # the one _rows_in_place copied is contiguous already (no second copy of it)
+    return _aligned16(k_in.contiguous()), _aligned16(v_in.contiguous()), k.shape[1] * k.shape[2]
 
 
 def _launch(

@@ -9,8 +9,8 @@ with lo = ks - qs for INVCAUSAL/BICAUSAL (else -BIG) and hi = ke - qe for CAUSAL
 k - q <= ke - qe; INVCAUSAL: j >= i, i.e. k - q >= ks - qs).
 
 The q axis is cut into tiles of ``tile_m`` rows (`row_tiles`): the fixed grid of multiples of
-tile_m, or, when no two slices share q rows (documents), tiles that start at every slice's
-first row and stop at its last (``m_end``: the kernel stores rows below it only), so no tile
+tile_m, or, when no two slices share q rows (documents) and it plans fewer blocks
+(`plan_cost`), tiles that start at every slice's first row and stop at its last (``m_end``: the kernel stores rows below it only), so no tile
 straddles two documents and runs both documents' keys over all its rows. A work tile is one q
 tile; its entries
 are the (slice ∩ tile) pieces that are not empty, each with the k interval it needs
