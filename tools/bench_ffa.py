@@ -417,16 +417,33 @@ def run_flex(case, q, k, v):
 
 
 # ----------------------------------------------------------------------------- main
-def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
-    """Time FFA and the peers on one case: ``(results, seconds of FFA's first call)``. The case's
-    tensors (and the closures holding them) die with this frame."""
+def case_inputs(case: Case, dtype=torch.bfloat16, requires_grad: bool = False) -> tuple:
+    """``(q, k, v, q_ranges, k_ranges, types)`` of ``case`` on the GPU: random q, k, v drawn in that
+    order after seeding 0 (every tool's runs see the same data), int32 range tensors."""
     torch.manual_seed(0)
-    q = torch.randn(case.total, case.hq, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
-    k = torch.randn(case.total, case.hk, case.d, device="cuda", dtype=dtype, requires_grad=args.bwd)
-    v = torch.randn(case.total, case.hk, case.dv, device="cuda", dtype=dtype, requires_grad=args.bwd)
+    q, k, v = (
+        torch.randn(case.total, h, d, device="cuda", dtype=dtype, requires_grad=requires_grad)
+        for h, d in ((case.hq, case.d), (case.hk, case.d), (case.hk, case.dv))
+    )
     qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
     kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
     ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+    return q, k, v, qr, kr, ty
+
+
+def grid_args(ap: argparse.ArgumentParser, lengths: str, totals: str) -> tuple[list[str], list[int]]:
+    """``--lengths`` / ``--totals`` as lists; an unknown distribution is an argparse error."""
+    names = [x for x in lengths.split(",") if x]
+    for name in names:
+        if name not in LENGTHS:
+            ap.error(f"--lengths: unknown distribution {name!r} (one of {', '.join(LENGTHS)})")
+    return names, [int(x) for x in totals.split(",") if x]
+
+
+def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
+    """Time FFA and the peers on one case: ``(results, seconds of FFA's first call)``. The case's
+    tensors (and the closures holding them) die with this frame."""
+    q, k, v, qr, kr, ty = case_inputs(case, dtype, requires_grad=args.bwd)
     res = {}
     t0 = time.perf_counter()
     ffa = run_ffa_autograd(q, k, v, qr, kr, ty) if args.bwd else run_ffa(q, k, v, qr, kr, ty)
@@ -539,11 +556,7 @@ def main(argv=None):
         "--head-dims", default="", help="also full/causal 8k at these head dims (e.g. 64,256,192/128)"
     )
     args = ap.parse_args(argv)
-    lengths = [x for x in args.lengths.split(",") if x]
-    for name in lengths:
-        if name not in LENGTHS:
-            ap.error(f"--lengths: unknown distribution {name!r} (one of {', '.join(LENGTHS)})")
-    totals = [int(x) for x in args.totals.split(",") if x]
+    lengths, totals = grid_args(ap, args.lengths, args.totals)
     head_dims = [x for x in args.head_dims.split(",") if x]
     dtype = getattr(torch, args.dtype)
     dev = torch.cuda.get_device_name()

@@ -111,11 +111,13 @@ if part cp-rows; then
 fi
 if [[ $what == switches ]]; then
   nproc=${NPROC:-2}
+  whole=()  # the single-GPU whole-mask column, which the switches do not touch: the first run only
   for keep in 0 1; do
     for split in 0 1; do
       step "bench_step_keep${keep}_split${split}.log" 14 300 env MAGI_COMM_BACKEND=native \
         MAGI_DIST_KEEP_KV=$keep MAGI_DIST_BWD_SPLIT=$split torchrun --standalone --nproc-per-node "$nproc" \
-        tools/bench_dist.py --step --degree 0 --totals $TOTALS
+        tools/bench_dist.py --step --degree 0 --totals $TOTALS "${whole[@]}"
+      whole=(--no-whole)
     done
   done
 fi

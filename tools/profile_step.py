@@ -15,14 +15,14 @@ import re
 from collections import defaultdict
 
 import torch
-from bench_ffa import make_cases, run_fa4, run_ffa_autograd, training_step
+from bench_ffa import case_inputs, make_cases, run_fa4, run_ffa_autograd, training_step
 from torch.profiler import ProfilerActivity, profile
 
 
 def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tuple[int, float]], float]:
     """{kernel name: (calls per step, microseconds per step)} over ``steps`` runs of ``fn``, and
-    the GPU's idle microseconds per step: the span from the first kernel's start to the last
-    one's end, less the time some kernel ran. ``trace``: a Chrome trace file to write (CPU ops
+    the GPU's idle microseconds per step: the span from the second step's first kernel to the
+    last kernel's end, less the time some kernel ran, over ``steps - 1``. ``trace``: a Chrome trace file to write (CPU ops
     and kernels)."""
     fn()
     torch.cuda.synchronize()
@@ -41,6 +41,11 @@ def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tu
             acc[ev.name][1] += ev.device_time
             spans.append((ev.time_range.start, ev.time_range.end))
     spans.sort()
+    # the first step waits on the profiler's start-up: its kernels and the gaps before them are
+    # left out of the idle time (per step over the others)
+    per_step = len(spans) // steps
+    if steps > 1:
+        spans = spans[per_step:]
     busy, reach = 0.0, None
     for start, end in spans:  # union of the kernels' intervals (streams may overlap)
         if reach is None or start > reach:
@@ -50,7 +55,7 @@ def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tu
             busy += end - reach
             reach = end
     idle = (spans[-1][1] - spans[0][0] - busy) if spans else 0.0
-    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}, idle / steps
+    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}, idle / max(steps - 1, 1)
 
 
 def main() -> None:
@@ -61,14 +66,7 @@ def main() -> None:
     ap.add_argument("--trace", help="folder for Chrome traces, one per case and library")
     args = ap.parse_args()
     for case in make_cases(args.cases.split(",")):
-        torch.manual_seed(0)
-        qkv = [
-            torch.randn(case.total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for h, d in ((case.hq, case.d), (case.hk, case.d), (case.hk, case.dv))
-        ]
-        qr = torch.tensor(case.q_ranges, dtype=torch.int32, device="cuda")
-        kr = torch.tensor(case.k_ranges, dtype=torch.int32, device="cuda")
-        ty = torch.tensor(case.types, dtype=torch.int32, device="cuda")
+        *qkv, qr, kr, ty = case_inputs(case, requires_grad=True)
         # both libraries' steps as bench_ffa times them: forward, backward with a fixed gradient
         steps = [("FFA", training_step(run_ffa_autograd(*qkv, qr, kr, ty), qkv))]
         fa4 = run_fa4(case, *qkv) if args.fa4 else None

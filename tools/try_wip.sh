@@ -8,7 +8,7 @@ set -uo pipefail
 name=${1:?usage: try_wip.sh NAME (a folder of wip/)}
 source "$(dirname "$0")/wip_lib.sh"
 # both kernels' GPU tests, and the training-step benchmark of the backward table; a folder may
-# name its own benchmark in wip/NAME/bench_args (bench_ffa.py and its arguments, one per line)
+# name its own benchmark in wip/NAME/bench_args (a tools/ script and its arguments, one per line)
 tests=(packages/ffa-kernels/tests/test_cute_gpu.py packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
 bench=(bench_ffa.py --bwd --no-flex --iters 10 --rounds 3
   --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k)
