@@ -496,11 +496,30 @@ def test_bwd_config_smem(kw):
     struct while it traces); that it fits sm90's 227 KiB with the 1 KiB static part is
     BwdConfig's own check (next test)."""
     pytest.importorskip("cutlass")
-    from ffa_kernels.cute import bwd_sm90
     from ffa_kernels.cute.config import BwdConfig
 
     cfg = BwdConfig(**kw)
-    assert bwd_sm90.shared_storage_bytes(cfg) == cfg.smem_bytes()
+    assert _bwd_shared_storage_bytes(cfg) == cfg.smem_bytes()
+
+
+def _bwd_shared_storage_bytes(cfg) -> int:
+    """Bytes of the backward's shared-memory struct for ``cfg`` (bfloat16), read off the struct
+    while a small function traces (no kernel is compiled)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from ffa_kernels.cute.bwd_sm90 import FFABackwardSm90
+
+    found: list[int] = []
+    kernel = FFABackwardSm90(cutlass.BFloat16, cfg, has_softcap=False, dkv_store=True)
+
+    @cute.jit
+    def probe():
+        sq, sk, sv, sds, _, sdq = kernel.smem_layouts()
+        found.append(int(kernel.shared_storage(sq, sk, sv, sds, sdq).size_in_bytes()))
+
+    cute.compile(probe)
+    return found[0]
 
 
 def test_bwd_config_rejects_too_much_smem():

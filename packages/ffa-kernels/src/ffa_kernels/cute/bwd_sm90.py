@@ -729,18 +729,3 @@ class FFABackwardSm90:
                     else:
                         red_add_f32x2(base_k + off + col, dk0, dk1)
                         red_add_f32x2(base_v + off + col, dv0, dv1)
-
-
-def shared_storage_bytes(cfg: BwdConfig) -> int:
-    """Bytes of the backward's shared-memory struct for ``cfg`` (bfloat16), read off the struct
-    while a small function traces (no kernel is compiled): the check of BwdConfig.smem_bytes()."""
-    found: list[int] = []
-    kernel = FFABackwardSm90(cutlass.BFloat16, cfg, has_softcap=False, dkv_store=True)
-
-    @cute.jit
-    def probe():
-        sq, sk, sv, sds, _, sdq = kernel.smem_layouts()
-        found.append(int(kernel.shared_storage(sq, sk, sv, sds, sdq).size_in_bytes()))
-
-    cute.compile(probe)
-    return found[0]

@@ -43,6 +43,14 @@ class _KernelConfig:
         return dataclasses.astuple(self)
 
 
+_ELEM_BYTES = 2  # q / k / v / dout elements: bfloat16 or float16
+
+
+def _align_1024(n: int) -> int:
+    """``n`` rounded up to 1024 bytes, the alignment of every shared-memory tile (swizzle)."""
+    return -(-n // 1024) * 1024
+
+
 @dataclass(frozen=True)
 class FwdConfig(_KernelConfig):
     """Static shape of one compiled forward kernel.
@@ -81,7 +89,7 @@ class FwdConfig(_KernelConfig):
             f"more than {SM90_SMEM_BYTES}"
         )
 
-    def smem_bytes(self, elem_bytes: int = 2) -> int:
+    def smem_bytes(self) -> int:
         """Shared memory of the kernel's storage: the pipelines' barriers, then Q, the K stages and
         the V stages, each 1024-byte aligned (O reuses Q's buffer: head_dim_v <= head_dim)."""
         used = 8 * (2 + 4 * self.num_stages)  # mbarriers: Q (full, empty), K and V (2 per stage)
@@ -90,7 +98,7 @@ class FwdConfig(_KernelConfig):
             (self.tile_n, self.head_dim, self.num_stages),
             (self.tile_n, self.head_dim_v, self.num_stages),
         ):
-            used = -(-used // 1024) * 1024 + rows * cols * copies * elem_bytes
+            used = _align_1024(used) + rows * cols * copies * _ELEM_BYTES
         return used
 
     def key(self) -> tuple:
@@ -162,18 +170,18 @@ class BwdConfig(_KernelConfig):
             f"{SM90_SMEM_BYTES - BWD_STATIC_SMEM_BYTES}"
         )
 
-    def smem_bytes(self, elem_bytes: int = 2) -> int:
+    def smem_bytes(self) -> int:
         """Dynamic shared memory of the backward's storage (bwd_sm90.SharedStorage): the
         barriers and the per-stage lse2 / delta first, then K, V, the Q and dO stages, the two
         dS buffers and the float32 dQ tiles (tile_m x head_dim in all), each 1024-byte aligned."""
         small = 8 * (2 + 4 * self.num_stages) + 2 * 4 * (self.tile_m + STAT_PAD) * self.num_stages
         tiles = (
-            2 * self.tile_n * self.head_dim * elem_bytes
-            + 2 * self.num_stages * self.tile_m * self.head_dim * elem_bytes
-            + 2 * self.tile_m * self.tile_n * elem_bytes
+            2 * self.tile_n * self.head_dim * _ELEM_BYTES
+            + 2 * self.num_stages * self.tile_m * self.head_dim * _ELEM_BYTES
+            + 2 * self.tile_m * self.tile_n * _ELEM_BYTES
             + self.tile_m * self.head_dim * 4
         )
-        return -(-small // 1024) * 1024 + tiles
+        return _align_1024(small) + tiles
 
 
 D128_BWD_ROWS = 80  # q block rows of the D 128 backward's default config
