@@ -659,9 +659,11 @@ class FFABackwardSm90:
                                 barrier_id=int(NamedBarrier.DQFullWG1) + wg, number_of_threads=threads
                             )
                             self.dq_reduce_add(tma_atom_dq, sdQ, gdQ_head, qb, wg)
-                        # released once the adds have landed, not only read shared memory (lane 0
-                        # waits and releases: it is the lane the TMA copies elect)
+                        # released once the adds have landed, not only read shared memory: every
+                        # lane waits for its own bulk groups (the copies' elected lane among them;
+                        # elect.sync need not pick lane 0), then lane 0 releases
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.sync_warp()
                         if cute.arch.lane_idx() == 0:
                             add_release_i32(sem, 1)
                         cute.arch.sync_warp()
