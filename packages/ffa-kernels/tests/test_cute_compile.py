@@ -634,3 +634,25 @@ def test_backward_plan_takes_the_deterministic_rows(monkeypatch, deterministic, 
     if deterministic:
         assert plan.ranks is not None
         assert bool((plan.entries[: plan.num_entries, 0] % rows == 0).all())
+
+
+def test_current_stream_handle_asks_the_raw_accessor_for_the_device(monkeypatch):
+    """The launch's stream: torch's raw accessor with the tensor's device index (the current
+    device for a bare "cuda"), or the public Stream object where torch has no raw accessor."""
+    from ffa_kernels.cute import kernel_args
+
+    asked = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentRawStream", lambda i: asked.append(i) or 1000 + i, raising=False
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert kernel_args.current_stream_handle(torch.device("cuda", 1)) == 1001
+    assert kernel_args.current_stream_handle(torch.device("cuda")) == 1003
+    assert asked == [1, 3]
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+
+    class FakeStream:
+        cuda_stream = 77
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: FakeStream())
+    assert kernel_args.current_stream_handle(torch.device("cuda", 0)) == 77

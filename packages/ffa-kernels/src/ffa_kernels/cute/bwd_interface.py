@@ -20,7 +20,7 @@ from .config import (
     deterministic_bwd_config,
 )
 from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
-from .kernel_args import make_launcher
+from .kernel_args import current_stream_handle, make_launcher
 from .tile_plan import get_plan
 
 
@@ -233,7 +233,7 @@ def bwd_preprocess(
     _preprocess_launcher(dout.dtype, out_c.dtype, d)(
         (
             do_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr(), stats.data_ptr(), tq, hq, stats.shape[-1],
-            shift, torch.cuda.current_stream(dout.device).cuda_stream,
+            shift, current_stream_handle(dout.device),
         )
     )  # fmt: skip
     _STATS_CACHE.put((dout, out, lse), extra, stats)
@@ -289,7 +289,7 @@ def _launch(
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
             ranks_ptr, sem_ptr, total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
             stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale / fold, 1.0 / fold, flags,
-            torch.cuda.current_stream(q.device).cuda_stream,
+            current_stream_handle(q.device),
         )
     )  # fmt: skip
 

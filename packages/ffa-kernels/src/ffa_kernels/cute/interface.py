@@ -13,7 +13,7 @@ from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
-from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, make_launcher
+from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, current_stream_handle, make_launcher
 from .tile_plan import get_plan
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def _launch(
             (max_logits if max_logits is not None else lse).data_ptr(),
             total_q, total_k, hq, hk, plan.num_work, plan.num_entries, k_row_stride, v_row_stride,
             scale_log2, premul, softmax_scale, flags,
-            torch.cuda.current_stream(q.device).cuda_stream,
+            current_stream_handle(q.device),
         )
     )  # fmt: skip
 
