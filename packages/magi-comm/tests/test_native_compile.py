@@ -172,6 +172,27 @@ def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
     assert code.count("ld.global.v4") >= (4 if pull else 3), code.count("ld.global.v4")
 
 
+@pytest.mark.parametrize("src_shift", [0, 8])
+def test_copy_moves_16_byte_vectors_where_aligned(monkeypatch, src_shift):
+    """The copy kernel of 16-byte rows moves 16-byte vectors (two int64 words) from a 16-byte
+    aligned source to the sink and to a peer's region on sm_90 (a pointer made from an integer
+    address would leave them single words); a source 8 bytes off 16 is read word by word (a
+    vector load there would fault), its stores stay vectors."""
+    from magi_comm.backends.native.layout import TaskTable, to_blocks
+
+    ptx = _capture_ptx(monkeypatch)
+    n = 4096  # words, two rows of 16 KiB, one peer and this rank (W = 2)
+    buf = torch.zeros(3 * n + 2, dtype=torch.int64)
+    base = buf.data_ptr() + (-buf.data_ptr()) % 16  # 16-byte aligned
+    task = TaskTable(torch.tensor([0]), torch.tensor([2]), torch.tensor([[0, -1, 0]]))
+    send = kernels.CopyLaunch(to_blocks(task, n // 2, 2048), [base + 8 * n, None], torch.int64, vec=2)
+    send(base + src_shift, base + 16 * n)
+    (code,) = ptx
+    assert code.count("st.global.v2.b64") >= 2, "the sink's and the peer's stores"
+    vector_loads = code.count("ld.global.v2.b64")
+    assert (vector_loads > 0) == (src_shift == 0), vector_loads
+
+
 def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):
     """Every wait for a peer's signal in the compiled copy kernel (its arm, its READY count, its
     rows) reads the GPU's global timer and traps past MAGI_COMM_NATIVE_WAIT_TIMEOUT_S (a peer

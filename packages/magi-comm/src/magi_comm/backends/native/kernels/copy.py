@@ -97,27 +97,32 @@ def _publish(pub, pub_peers, decided, pulled, offs, p0, p1, p2, p3, p4, p5, p6, 
 
 
 @triton.jit
-def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, vals, mask, VEC: tl.constexpr):
+def _row(base, off, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to word ``off`` after address ``base``; with ``ALIGNED`` marked 16-byte aligned (a
+    pointer made from an integer carries no alignment, so its accesses would stay single words)."""
+    ptr = base.to(tl.pointer_type(DT)) + off
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, vals, mask, VEC: tl.constexpr,
+         ALIGNED: tl.constexpr):  # fmt: skip
     off = tl.load(task_dst + t * (W + 1) + COL)
     if off >= 0:
-        off = tl.multiple_of(off + start, VEC)
-        ptr = base.to(tl.pointer_type(vals.dtype))
-        tl.store(ptr + off + offs, vals, mask=mask)
+        tl.store(_row(base, off + start, vals.dtype, ALIGNED) + offs, vals, mask=mask)
 
 
 @triton.jit
 def _put_peer(
-    anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W: tl.constexpr, COL: tl.constexpr,
-    start, offs, vals, mask, VEC: tl.constexpr, DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr,
-    pulled,
+    peers, task_dst, task_split, task_within, maps, alloc_base, t, W: tl.constexpr, COL: tl.constexpr,
+    start, offs, vals, mask, VEC: tl.constexpr, DIRECT: tl.constexpr, MAPW: tl.constexpr, pulled,
 ):  # fmt: skip
     # Peer COL's region in its receive buffer, unless the peer published a map of its output
     # (header > 0 = 1 + the symmetric allocation holding it): then straight into its output.
-    # Addresses from tables become word offsets from ``anchor`` with a VEC alignment hint.
-    # ``anchor`` is an integer, and a pointer made from an integer carries no alignment, so
-    # the stores compile to single words (sm_90 PTX: st.global.b64 for int64 words), not the
-    # 16-byte vectors the hint is meant for; the fused reduction passes its base as a tensor
-    # for that reason (measured there, docs/perf.md). Not changed here: unmeasured over NVLink.
+    # Regions start at 16-byte aligned field areas, and a map is published only for a 16-byte
+    # aligned output, so with VEC > 1 (rows of a multiple of 16 bytes) every row is aligned.
     off = tl.load(task_dst + t * (W + 1) + COL)
     if (off >= 0) & (((pulled >> COL) & 1) == 0):
         target = tl.load(peers + COL)
@@ -129,15 +134,14 @@ def _put_peer(
                 entry = tl.load(row + 1 + j)  # bytes from the allocation's start to the split's
                 target = tl.load(alloc_base.to(tl.pointer_type(tl.int64)) + (hdr - 1) * W + COL) + entry
                 off = tl.load(task_within + t)
-        off = tl.multiple_of((target - anchor) // WB + off + start, VEC)
-        tl.store(anchor.to(tl.pointer_type(vals.dtype)) + off + offs, vals, mask=mask)
+        tl.store(_row(target, off + start, vals.dtype, VEC > 1) + offs, vals, mask=mask)
 
 
 @triton.jit
-def _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst, task_split,
+def _copy_block(b, src, sink, peers, blk_task, blk_start, task_src, task_len, task_dst, task_split,
                 task_within, maps, alloc_base, offs, DT: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
-                DIRECT: tl.constexpr, MAPW: tl.constexpr, WB: tl.constexpr, pulled,
-                PUBLISH: tl.constexpr):  # fmt: skip
+                DIRECT: tl.constexpr, MAPW: tl.constexpr, pulled,
+                PUBLISH: tl.constexpr, SRC16: tl.constexpr, SINK16: tl.constexpr):  # fmt: skip
     """Block ``b``: load its words from ``src`` once, store them to every destination (not to
     the ``pulled`` ones; a block with no other destination reads nothing)."""
     t = tl.load(blk_task + b).to(tl.int64)
@@ -149,14 +153,15 @@ def _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task
                 live = 1
     if live != 0:
         start = tl.load(blk_start + b)
-        n = tl.load(task_len + t)
-        mask = offs < n - start
-        s_off = tl.multiple_of(tl.load(task_src + t) + start, VEC)
-        vals = tl.load(src.to(tl.pointer_type(DT)) + s_off + offs, mask=mask)
-        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC)
+        # block starts and task lengths are multiples of VEC words: the mask holds or fails for
+        # whole 16-byte vectors
+        left = tl.multiple_of(tl.load(task_len + t) - start, VEC)
+        mask = offs < left
+        vals = tl.load(_row(src, tl.load(task_src + t) + start, DT, SRC16 and VEC > 1) + offs, mask=mask)
+        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC, SINK16 and VEC > 1)
         for c in tl.static_range(W):
-            _put_peer(anchor, peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
-                      vals, mask, VEC, DIRECT, MAPW, WB, pulled)  # fmt: skip
+            _put_peer(peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
+                      vals, mask, VEC, DIRECT, MAPW, pulled)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=PEER_ARGS)
@@ -172,7 +177,6 @@ def _copy_kernel(
     p5,
     p6,
     p7,
-    anchor,
     peers,
     blk_task,
     blk_start,
@@ -203,7 +207,6 @@ def _copy_kernel(
     FENCE: tl.constexpr,
     DIRECT: tl.constexpr,
     MAPW: tl.constexpr,
-    WB: tl.constexpr,
     ME: tl.constexpr,
     GP: tl.constexpr,
     PUBLISH: tl.constexpr,
@@ -213,8 +216,10 @@ def _copy_kernel(
     PROG: tl.constexpr,
     AWAIT: tl.constexpr,
     PAUSE: tl.constexpr,
+    SRC16: tl.constexpr,
+    SINK16: tl.constexpr,
 ):
-    # src / sink / anchor / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
+    # src / sink / maps / alloc_base and the entries of ``peers`` (int64 (W,): each
     # peer's region area, NVLink-mapped) are addresses: symmetric-heap and peer memory is
     # addressed through plain integers, as in the verified peer-store recipe.
     # Program p copies blocks p, p + grid, ...: a grid smaller than the table
@@ -252,9 +257,9 @@ def _copy_kernel(
                 b = first + pid
                 end = tl.minimum(first + chunk_blocks, nblocks)
                 while b < end:
-                    _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
-                                task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB,
-                                pulled, PUBLISH)  # fmt: skip
+                    _copy_block(b, src, sink, peers, blk_task, blk_start, task_src, task_len, task_dst,
+                                task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW,
+                                pulled, PUBLISH, SRC16, SINK16)  # fmt: skip
                     b += G
                 if report != 0:
                     chunk_done(prog_cnt, j)
@@ -272,9 +277,9 @@ def _copy_kernel(
                     last_src = s
                 seen = await_rows(sig, s, tl.load(wait_rows + b), peer_word_at(s, p0, p1, p2, p3, p4, p5, p6, p7),
                                    seen, W, PAUSE)  # fmt: skip
-            _copy_block(b, src, sink, anchor, peers, blk_task, blk_start, task_src, task_len, task_dst,
-                        task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, WB, pulled,
-                        PUBLISH)  # fmt: skip
+            _copy_block(b, src, sink, peers, blk_task, blk_start, task_src, task_len, task_dst,
+                        task_split, task_within, maps, alloc_base, offs, DT, W, VEC, DIRECT, MAPW, pulled,
+                        PUBLISH, SRC16, SINK16)  # fmt: skip
             b += G
     if FENCE and not (HS_READY or HS_WAIT_END):  # else the end handshake releases
         # Make this program's peer stores visible system-wide before the kernel can complete
@@ -386,7 +391,6 @@ class CopyLaunch:
         self.peer_table = peer_table
         hs = handshake
         self.fixed = (
-            self.filler,  # the anchor of peer addresses (see _put_peer)
             self.peer_table,
             table.blk_task,
             table.blk_start,
@@ -425,19 +429,19 @@ class CopyLaunch:
             FENCE=int(bool(fence) and any(p for p in peers)),
             DIRECT=int(direct is not None and table.num_blocks > 0 and table.has_splits),
             MAPW=direct[2] if direct else (publish[2] if publish else 1),
-            WB=torch.empty(0, dtype=dtype).element_size(),
             ME=hs.rank if hs else 0,
             GP=triton.next_power_of_2(max(programs, 1)) if progress else 1,
             PUBLISH=int(publish is not None),  # the kernel's constexprs in its order (launched positionally)
         )
         self.num_warps = num_warps
-        self._modes: dict[int, tuple[dict, int]] = {}
+        self._modes: dict[tuple[int, bool, bool], tuple[dict, int]] = {}
 
-    def _mode(self, sync: int) -> tuple[dict, int]:
-        """``(constexprs, variant)`` of handshake mode ``sync`` (cached: they key the launch)."""
-        got = self._modes.get(sync)
+    def _mode(self, sync: int, src16: bool, sink16: bool) -> tuple[dict, int]:
+        """``(constexprs, variant)`` of handshake mode ``sync`` for a source / sink address that
+        is (or not) 16-byte aligned (cached: they key the launch)."""
+        got = self._modes.get((sync, src16, sink16))
         if got is None:
-            consts = dict(self.base_consts, **_handshake_flags(sync))
+            consts = dict(self.base_consts, **_handshake_flags(sync), SRC16=int(src16), SINK16=int(sink16))
             variant = _copy.variant(
                 (
                     tuple(specialization(a) for a in self.fixed),
@@ -446,7 +450,7 @@ class CopyLaunch:
                     args_device(self.fixed),
                 )
             )
-            got = self._modes[sync] = (consts, variant)
+            got = self._modes[(sync, src16, sink16)] = (consts, variant)
         return got
 
     def __call__(self, src: int, sink: int, stream: torch.cuda.Stream | None = None, sync: int = 0,
@@ -474,7 +478,7 @@ class CopyLaunch:
             return
         # 0 (an empty tensor: nothing is read or written) would turn the address 32-bit
         src, sink, pub = src or self.filler, sink or self.filler, pub or self.filler
-        consts, variant = self._mode(sync)
-        key = (variant, src % 16 == 0, sink % 16 == 0, pub % 16 == 0, src < 2**31, sink < 2**31, pub < 2**31)
+        consts, variant = self._mode(sync, src % 16 == 0, sink % 16 == 0)
+        key = (variant, pub % 16 == 0, src < 2**31, sink < 2**31, pub < 2**31)
         peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
         _copy(grid, (src, sink, pub, *peer_words, *self.fixed), consts, self.num_warps, stream, key=key)
