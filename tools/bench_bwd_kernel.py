@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import torch
 from bench_ffa import bench, case_inputs, grid_args, make_cases
@@ -43,6 +44,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--whole", default="")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument(
+        "--head-groups",
+        default="",
+        help="the whole backward's head_group values (in CTA head slots; default: the host's choice)",
+    )
     ap.add_argument("--lengths", default="", help="bench_ffa's length distributions, comma-separated")
     ap.add_argument("--totals", default="32768", help="their totals, comma-separated")
     args = ap.parse_args()
@@ -68,17 +74,18 @@ def main() -> None:
             tf = 10 * case.area * case.hq * case.d / t / 1e12
             print(f"{case.name:30s} {name:10s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
         for det in (False, True) if args.deterministic else (False,):
-            for hpc in [int(x) for x in args.whole.split(",") if x]:
+            groups = [int(x) for x in args.head_groups.split(",") if x] or [0]
+            for hpc, hg in itertools.product([int(x) for x in args.whole.split(",") if x], groups):
                 if (case.hq // case.hk) % max(hpc, 1):
                     continue
 
-                def whole(hpc=hpc, det=det, call=call):
+                def whole(hpc=hpc, hg=hg, det=det, call=call):
                     cute_backward(*call[:9], softmax_scale=None, softcap=0.0, heads_per_cta=hpc or None,
-                                  deterministic=det)  # fmt: skip
+                                  head_group=hg or None, deterministic=det)  # fmt: skip
 
                 t = bench(whole, args.iters)
                 tf = 10 * case.area * case.hq * case.d / t / 1e12
-                label = f"whole{' det' if det else ''} h{hpc}"
+                label = f"whole{' det' if det else ''} h{hpc}" + (f" g{hg}" if hg else "")
                 print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
 
 
