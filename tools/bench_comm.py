@@ -404,6 +404,55 @@ def _time_raw_limits(
         dist.barrier()
 
 
+def _reduce_rates(nat, a2a, mib: float, rank: int, world: int, dev, iters: int) -> tuple[float, float, bool]:
+    """``(reduce GB/s, reduce-sym GB/s, bitwise equal to a2av on every rank)`` of ``nat`` at
+    ``mib`` MiB per rank, host ahead."""
+    rows = int(mib * (1 << 20)) // ROW_BYTES
+    ins, outs, dst, src = layout(rank, world, rows)
+    g = torch.Generator(device=dev).manual_seed(rank)
+    part = torch.randn((sum(outs), *ROW), device=dev, generator=g).to(torch.bfloat16)
+    part_d = nat.empty_output(part.shape, torch.bfloat16)
+    part_d.copy_(part)
+    acc0 = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
+    got = {name: acc0.clone() for name in ("plain", "sym", "a2av")}
+    nat.group_reduce(part, got["plain"], outs, ins, src, dst).wait()
+    nat.group_reduce(part_d, got["sym"], outs, ins, src, dst).wait()
+    a2a.group_reduce(part, got["a2av"], outs, ins, src, dst).wait()
+    ok = all(torch.equal(got[n].view(torch.int16), got["a2av"].view(torch.int16)) for n in ("plain", "sym"))
+    flag = torch.tensor([int(ok)], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    red = acc0.clone()
+    n = iters or (50 if mib <= 4 else 20)
+    cross = rows * ROW_BYTES * (world - 1)
+    t_plain = timed(lambda: nat.group_reduce(part, red, outs, ins, src, dst), n, 3, True)
+    t_sym = timed(lambda: nat.group_reduce(part_d, red, outs, ins, src, dst), n, 3, True)
+    nat.free_output(part_d)
+    return cross / t_plain / 1e9, cross / t_sym / 1e9, bool(flag.item())
+
+
+def sweep_reduce(shapes: str, sizes: list[float], a2a, rank: int, world: int, dev, iters: int) -> None:
+    """group_reduce (plain and symmetric input: pulled) GB/s, host ahead, for each fused-reduction
+    tile shape of ``shapes`` ("ROWSxWARPS,...", "0x0" the defaults; NativeConfig.reduce_tile_rows /
+    reduce_warps), each checked bitwise against a2av first; rank 0 prints a table."""
+    from magi_comm import GroupCollective
+    from magi_comm.backends import native as native_mod
+
+    lines = []
+    for shape in shapes.split(","):
+        tile_rows, warps = shape.lower().split("x")
+        os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS] = tile_rows, warps
+        nat = GroupCollective(None, "native")  # reads its config from the environment
+        del os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS]
+        for mib in sizes:
+            lines.append((shape, mib, *_reduce_rates(nat, a2a, mib, rank, world, dev, iters)))
+        nat.close()
+    if rank == 0:
+        print("\n| tile rows x warps | MiB | reduce GB/s | reduce-sym GB/s | bitwise == a2av |")
+        print("|---|---:|---:|---:|---|")
+        for shape, mib, gp, gs, ok in lines:
+            print(f"| {shape} | {mib:.0f} | {gp:.1f} | {gs:.1f} | {ok} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1,16,64", help="MiB sent by each rank to the others")
@@ -419,6 +468,11 @@ def main() -> int:
     )
     ap.add_argument(
         "--profile-host", action="store_true", help="host time per call and its cProfile, no timing"
+    )
+    ap.add_argument(
+        "--sweep-reduce",
+        default="",
+        help="fused-reduction tile shapes ROWSxWARPS,... (0x0: the defaults): reduce GB/s per shape, host ahead",
     )
     args = ap.parse_args()
     faulthandler.dump_traceback_later(int(os.environ.get("MAGI_COMM_BENCH_TIMEOUT", "240")), exit=True)
@@ -457,6 +511,9 @@ def main() -> int:
     if args.sweep_kernel:
         for mib in sizes:
             sweep_kernel(nat, rank, world, dev, mib)
+        sizes = []
+    if args.sweep_reduce:
+        sweep_reduce(args.sweep_reduce, sizes, a2a, rank, world, dev, args.iters)
         sizes = []
     for mib in sizes:
         run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host, nat_host)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -20,6 +20,8 @@
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
 #   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
 #               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each
+#   reduce-sweep (not in all) bench_comm --sweep-reduce: group_reduce GB/s per fused-reduction tile
+#               shape (rows x warps; NativeConfig.reduce_tile_rows / reduce_warps) at 16 and 64 MiB
 # The benchmark parts loop over COMMS (default "a2av native"), DEGREES ("0 2", forward) and TOTALS
 # ("65536 131072"); narrow them to keep one call under the device's 10 minutes, e.g.
 #   COMMS=native TOTALS=131072 bash tools/gpu_multi.sh bench-step
@@ -120,5 +122,9 @@ if [[ $what == switches ]]; then
       whole=(--no-whole)
     done
   done
+fi
+if [[ $what == reduce-sweep ]]; then
+  step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
+    --sweep-reduce 0x0,1x4,1x8,2x4,2x8,4x8,8x8,16x16
 fi
 exit $rc

@@ -119,6 +119,10 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
             with NativeBackend("group", rank, world, overlap) as be2:  # progress and waiting variants
                 for case in small:
                     cases.run(be2, case, rank, world)
+            shaped = NativeConfig(buffer_bytes=1 << 20, reduce_tile_rows=4, reduce_warps=8)
+            with NativeBackend("group", rank, world, shaped) as be3:  # a reduction tile of the sweep
+                for case in small:
+                    cases.run(be3, case, rank, world)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
@@ -126,6 +130,7 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert names == {"_copy_kernel", "_reduce_kernel"}, names
     assert len(compiler.compiled) > 20, len(compiler.compiled)
     assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)
+    assert fw.reduce_shapes == {(4, 8)}, fw.reduce_shapes
 
 
 def _capture_ptx(monkeypatch) -> list[str]:

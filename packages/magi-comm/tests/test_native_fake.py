@@ -111,6 +111,41 @@ def test_overlap_chunk_from_env(monkeypatch):
         assert native.ENV_OVERLAP_CHUNK_KB in str(info.value)
 
 
+def test_reduce_tile_shape_from_env(monkeypatch):
+    monkeypatch.setenv(native.ENV_REDUCE_ROWS, "4")
+    monkeypatch.setenv(native.ENV_REDUCE_WARPS, "8")
+    cfg = NativeConfig.from_env()
+    assert (cfg.reduce_tile_rows, cfg.reduce_warps) == (4, 8)
+    for env, bad, match in (
+        (native.ENV_REDUCE_ROWS, "3", "power of two"),
+        (native.ENV_REDUCE_WARPS, "-2", "power of two"),
+        (native.ENV_REDUCE_ROWS, "many", "must be an integer"),
+    ):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=match) as info:
+            NativeConfig.from_env()
+        assert env in str(info.value)
+        monkeypatch.setenv(env, "4" if env == native.ENV_REDUCE_ROWS else "8")
+
+
+def test_reduce_tile_shape_reaches_the_fused_reduction():
+    """A reduce_tile_rows / reduce_warps setting is what the fused reduction after the transfer
+    is launched with (the results stay those of the oracle); the default passes None."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    calls = native_cases.draw(world, 7, 6, big=False)
+
+    def rank_fn(rank):
+        cfg = NativeConfig(buffer_bytes=1 << 20, reduce_tile_rows=4, reduce_warps=8)
+        with NativeBackend("group", rank, world, cfg) as be:
+            for case in calls:
+                native_cases.run(be, case, rank, world)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.reduces > 0 and fw.reduce_shapes == {(4, 8)}, (fw.reduces, fw.reduce_shapes)
+
+
 def _dense_layout(world: int) -> lib.Layout:
     """Every rank sends three splits to every rank (itself too), interleaved in the outputs."""
     rng = random.Random(5)

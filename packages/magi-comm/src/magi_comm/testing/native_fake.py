@@ -63,6 +63,7 @@ class FakeWorld:
         self.host_ops_by = [0] * world  # NVSHMEM on-stream signal and wait operations per PE
         self.copy_program_caps: set[int] = set()  # max_programs of every copy launch built
         self.reduces = 0  # launches of the fused reduction kernel
+        self.reduce_shapes: set[tuple] = set()  # (tile_rows, num_warps) given to those launches
         self.progress_signals = 0  # PROGRESS slots raised by send kernels
         self.row_waits_by_progress = 0  # receiving waits passed by PROGRESS before READY
         self.overlapped = 0  # receive steps launched beside the send kernel

@@ -247,9 +247,16 @@ def launch_reduce(
     waits=None,
     pull=None,
     end=None,
+    tile_rows=None,
+    num_warps=None,
     world=None,
 ):
-    """The fused reduction's reference (arguments of the real ``launch_reduce``) in ``world``."""
+    """The fused reduction's reference (arguments of the real ``launch_reduce``) in ``world``;
+    the tile shape (``tile_rows`` / ``num_warps``) changes no result: it is only recorded."""
+    if tile_rows is not None or num_warps is not None:
+        assert waits is None, "a waiting reduction keeps the default tile (its wait tables)"
+        with world.cond:
+            world.reduce_shapes.add((tile_rows, num_warps))
     if waits is not None:
         need, order, sig, words, cap = waits
         assert sorted(order.tolist()) == list(range(need.shape[0]))

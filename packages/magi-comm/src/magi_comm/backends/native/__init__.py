@@ -16,6 +16,8 @@ from .config import (
     ENV_FUSED_REDUCE,
     ENV_MAX_PROGRAMS,
     ENV_OVERLAP_CHUNK_KB,
+    ENV_REDUCE_ROWS,
+    ENV_REDUCE_WARPS,
     ENV_STREAM_PRIORITY,
     ENV_WAIT_TIMEOUT,
     OVERLAP_MIN_CHUNKS,  # noqa: F401  (an attribute here before)
@@ -29,6 +31,8 @@ __all__ = [
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
     "ENV_OVERLAP_CHUNK_KB",
+    "ENV_REDUCE_ROWS",
+    "ENV_REDUCE_WARPS",
     "ENV_STREAM_PRIORITY",
     "ENV_WAIT_TIMEOUT",
     "NativeBackend",

@@ -18,6 +18,8 @@ __all__ = [
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
     "ENV_OVERLAP_CHUNK_KB",
+    "ENV_REDUCE_ROWS",
+    "ENV_REDUCE_WARPS",
     "ENV_STREAM_PRIORITY",
     "ENV_WAIT_TIMEOUT",
     "MIB",
@@ -34,6 +36,8 @@ ENV_MAX_PROGRAMS = "MAGI_COMM_NATIVE_MAX_PROGRAMS"
 ENV_DEVICE_HANDSHAKE = "MAGI_COMM_NATIVE_DEVICE_HANDSHAKE"
 ENV_OVERLAP_CHUNK_KB = "MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB"
 ENV_WAIT_TIMEOUT = "MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"
+ENV_REDUCE_ROWS = "MAGI_COMM_NATIVE_REDUCE_ROWS"
+ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
@@ -89,6 +93,13 @@ class NativeConfig:
         overlap_reduce: the fused reduction runs beside the send kernel the same way (off: on
             2x H200 it measured slower than the reduction after the transfer, docs/perf.md:
             its programs, bounded in number because they wait, reduce at a lower rate).
+        reduce_tile_rows / reduce_warps: rows per tile and warps per program of the fused
+            reduction when it runs after the transfer (``$MAGI_COMM_NATIVE_REDUCE_ROWS`` /
+            ``_WARPS``; 0: the kernel's defaults, tuned on one GPU for local reads, see
+            ``kernels.reduce_tile_rows``; powers of two). A reduction that pulls its terms from
+            the peers' inputs reads over NVLink, where other shapes may keep more bytes in flight
+            (``tools/bench_comm.py --sweep-reduce``). A reduction beside the transfer keeps the
+            defaults (its wait tables are cut by them).
     """
 
     buffer_bytes: int = 256 * MIB
@@ -103,8 +114,14 @@ class NativeConfig:
     device_handshake: bool = True
     overlap_chunk_bytes: int = 8 * MIB
     overlap_reduce: bool = False
+    reduce_tile_rows: int = 0
+    reduce_warps: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("reduce_tile_rows", "reduce_warps"):
+            value = getattr(self, name)
+            if value < 0 or value & (value - 1):
+                raise ValueError(f"{name} must be 0 (the default) or a power of two, got {value}")
         if self.max_programs < 0:
             raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {self.max_programs}")
         if self.overlap_chunk_bytes < 0:
@@ -126,6 +143,8 @@ class NativeConfig:
             ("stream_priority", ENV_STREAM_PRIORITY),
             ("max_programs", ENV_MAX_PROGRAMS),
             ("overlap_chunk_bytes", ENV_OVERLAP_CHUNK_KB),
+            ("reduce_tile_rows", ENV_REDUCE_ROWS),
+            ("reduce_warps", ENV_REDUCE_WARPS),
         ):
             value = os.environ.get(env, "").strip()
             if value:
@@ -144,7 +163,12 @@ class NativeConfig:
         try:
             return NativeConfig(**kw)
         except ValueError as e:  # name the variable the bad value came from
-            env = ENV_MAX_PROGRAMS if "max_programs" in str(e) else ENV_OVERLAP_CHUNK_KB
+            names = {
+                "max_programs": ENV_MAX_PROGRAMS,
+                "reduce_tile_rows": ENV_REDUCE_ROWS,
+                "reduce_warps": ENV_REDUCE_WARPS,
+            }
+            env = next((v for k, v in names.items() if k in str(e)), ENV_OVERLAP_CHUNK_KB)
             raise ValueError(f"${env}: {e}") from None
 
     def aligned_buffer_bytes(self) -> int:

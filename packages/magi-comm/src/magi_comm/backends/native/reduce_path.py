@@ -66,10 +66,11 @@ class ReducePath:
         pub, pulled = self.publish(plan, src, rb, fused=True, out=out)
 
         def consume(stream, words):
-            waits = None
+            waits, cfg = None, self.config
+            shape = dict(tile_rows=cfg.reduce_tile_rows or None, num_warps=cfg.reduce_warps or None)
             if words is not None:  # beside the transfer: wait for the peers' rows
-                cap = self.config.max_programs or CONSUMER_PROGRAMS
-                waits = (need, order, st.sig.data_ptr(), words, cap)
+                waits = (need, order, st.sig.data_ptr(), words, cfg.max_programs or CONSUMER_PROGRAMS)
+                shape = {}  # its wait tables are cut by the default tile
             end = (st.handshake, st.reduce_counter, st.pull_decided.data_ptr(), self.done_words(plan), pulled)
             self.kernels.launch_reduce(
                 out.view(out.shape[0], E),
@@ -84,6 +85,7 @@ class ReducePath:
                 waits=waits,
                 pull=(term_pull, st.pull_maps.data_ptr(), st.outputs.bases.data_ptr(), st.map_width),
                 end=end,
+                **shape,
             )
 
         self.transport.move(plan, SINK_NONE, [Field(src, src, rb)], consume=consume, pub=pub)
