@@ -661,14 +661,14 @@ def test_current_stream_handle_asks_the_raw_accessor_for_the_device(monkeypatch)
 @pytest.mark.parametrize("seed", range(6))
 def test_bwd_heads_per_cta_is_the_largest_divisor_within_both_limits(seed):
     """A GQA CTA walks the largest divisor d of the group with enough CTAs per SM and d x the
-    plan's mean walk within MAX_CTA_WALK_BLOCKS; 1 where none qualifies; an override must
+    plan's mean walk in rows within MAX_CTA_WALK_ROWS; 1 where none qualifies; an override must
     divide the group."""
-    from ffa_kernels.cute.bwd_interface import _CTAS_PER_SM, MAX_CTA_WALK_BLOCKS, bwd_heads_per_cta
+    from ffa_kernels.cute.bwd_interface import _CTAS_PER_SM, MAX_CTA_WALK_ROWS, bwd_heads_per_cta
 
     rng = random.Random(seed)
     for _ in range(200):
         hk, group = rng.choice([1, 2, 8]), rng.choice([1, 2, 4, 6, 8, 16])
-        work, walk = rng.randint(1, 4096), rng.uniform(0.0, 400.0)
+        work, walk = rng.randint(1, 4096), rng.uniform(0.0, 400.0) * 80
         d = bwd_heads_per_cta(work, hk * group, hk, 132, None, walk)
 
         fits = [
@@ -676,7 +676,7 @@ def test_bwd_heads_per_cta_is_the_largest_divisor_within_both_limits(seed):
             for x in range(1, group + 1)
             if group % x == 0
             and work * hk * (group // x) >= _CTAS_PER_SM * 132
-            and x * walk <= MAX_CTA_WALK_BLOCKS
+            and x * walk <= MAX_CTA_WALK_ROWS
         ]
         assert d == max(fits, default=1), (work, hk, group, walk, d)
     assert bwd_heads_per_cta(10, 64, 8, 132, 4, 1000.0) == 4
@@ -685,16 +685,18 @@ def test_bwd_heads_per_cta_is_the_largest_divisor_within_both_limits(seed):
 
 
 def test_long_causal_documents_split_the_gqa_group(monkeypatch):
-    """GQA 64:8 causal over four 32k documents (a 128k batch): the CTA-count rule alone would
-    give each CTA all 8 q heads (1024 key tiles), which measured 344 against 539 TFLOP/s with 1
-    head on an H100; the walk cap splits the group. Eight 4k documents (32k) keep 2 heads per CTA."""
+    """GQA 64:8 causal, 128k tokens at D 128 (80-row blocks): the CTA-count rule alone would give
+    each CTA all 8 q heads (1024 key tiles; uniform documents measured 318-344 against 539-545
+    TFLOP/s with 1 head on an H100); the walk cap takes 2 heads over 8k documents (mean walk about
+    68 blocks) and 1 over 32k ones (about 274); eight 4k documents (32k tokens) keep the CTA-count
+    rule's 2. D 64 (128-row blocks) counts the same rows: 16 documents of 8k take 2 heads there too."""
     from ffa_kernels.cute import bwd_interface
 
     monkeypatch.setattr(bwd_interface, "_num_sms", lambda index: 132)
     t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    for doc, docs, heads in ((32768, 4, 1), (4096, 8, 2)):
+    for doc, docs, d, heads in ((32768, 4, 128, 1), (8192, 16, 128, 2), (4096, 8, 128, 2), (8192, 16, 64, 2)):
         n = docs * doc
-        q, k = torch.empty(n, 64, 128, dtype=torch.bfloat16), torch.empty(n, 8, 128, dtype=torch.bfloat16)
+        q, k = torch.empty(n, 64, d, dtype=torch.bfloat16), torch.empty(n, 8, d, dtype=torch.bfloat16)
         qr = t([[i * doc, (i + 1) * doc] for i in range(docs)])
         _, split, _ = bwd_interface._plan_and_split(q, k, qr, qr, t([1] * docs), None, 0.0, None, False)
         assert split == heads, (doc, split)

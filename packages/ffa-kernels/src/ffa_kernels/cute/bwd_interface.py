@@ -99,32 +99,34 @@ def _launcher(torch_dtype, cfg: BwdConfig, has_softcap: bool, dkv_store: bool, d
 
 
 _CTAS_PER_SM = 32
-# The most q blocks one CTA should walk over all its heads (heads x `tile_plan.mean_walk`). Measured
-# on an H100 (GQA 64:8, D 128, whole backward, TFLOP/s with 1 / 2 / 8 heads per CTA; the CTA-count
-# rule alone takes 8 at 128k, 2 at 32k): causal 128k, uniform (walk 99) 545 / 524 / 318,
-# long-tailed (197) 544 / 509 / 410, equal (137) 568 / 582 / 460; full 128k within 2% of each other.
-# At 32k (walks 26-97) 1 head loses to 2 everywhere (uniform causal 396 / 443, long-tailed full
-# 502 / 531), so the cap keeps 2 there and takes 1 or 2 at 128k (within 4% of the better).
-MAX_CTA_WALK_BLOCKS = 256
+# The most q rows one CTA should walk over all its heads (heads x `tile_plan.mean_walk` x the
+# plan's block rows). Measured on an H100 (GQA 64:8, D 128, 80-row blocks, whole backward, TFLOP/s
+# with 1 / 2 heads per CTA; 8 heads, what the CTA-count rule alone takes at 128k, from a run
+# disturbed by tests beside it): causal 128k, uniform (walk 99 blocks) 545 / 524 (8: 318),
+# long-tailed (197) 544 / 509 (410), equal (137) 568 / 582 (460); full 128k within 2% of each
+# other. At 32k (walks 26-97 blocks) 1 head loses to 2 everywhere (uniform causal 396 / 443,
+# long-tailed full 502 / 531), so the cap (256 blocks of 80 rows) keeps 2 there and takes 1 or 2
+# at 128k, each within the runs' noise of the better.
+MAX_CTA_WALK_ROWS = 256 * 80
 
 
 def bwd_heads_per_cta(
-    num_work: int, hq: int, hk: int, num_sms: int, override: int | None = None, walk_blocks: float = 0.0
+    num_work: int, hq: int, hk: int, num_sms: int, override: int | None = None, walk_rows: float = 0.0
 ) -> int:
     """How many q heads of a K/V head one CTA walks: the largest divisor of the GQA group that
     still gives ``_CTAS_PER_SM`` CTAs per SM and keeps a CTA's walk over its heads within
-    ``MAX_CTA_WALK_BLOCKS`` (``walk_blocks``: the plan's `tile_plan.mean_walk`), 1 at worst. The
-    whole group sums dK/dV in registers (one writer per K/V row, stored in the input dtype), but
-    its CTAs are long and few: on an H100, GQA 64:8 varlen causal 32k runs fastest with 2 heads
-    per CTA (459 TFLOP/s against 418 with all 8 and 437 with 1), and causal masks of long
-    documents lose up to 36% with long CTAs (see ``MAX_CTA_WALK_BLOCKS``)."""
+    ``MAX_CTA_WALK_ROWS`` (``walk_rows``: the plan's `tile_plan.mean_walk` times its q block
+    rows), 1 at worst. The whole group sums dK/dV in registers (one writer per K/V row, stored in
+    the input dtype), but its CTAs are long and few: on an H100, GQA 64:8 varlen causal 32k runs
+    fastest with 2 heads per CTA (459 TFLOP/s against 418 with all 8 and 437 with 1), and causal
+    masks of long documents lose up to 40% with long CTAs (see ``MAX_CTA_WALK_ROWS``)."""
     group = hq // hk
     if override is not None:
         if override < 1 or group % override:
             raise ValueError(f"heads_per_cta must divide Hq / Hk = {group}, got {override}")
         return override
     for d in sorted((d for d in range(1, group + 1) if group % d == 0), reverse=True):
-        if num_work * hk * (group // d) >= _CTAS_PER_SM * num_sms and d * walk_blocks <= MAX_CTA_WALK_BLOCKS:
+        if num_work * hk * (group // d) >= _CTAS_PER_SM * num_sms and d * walk_rows <= MAX_CTA_WALK_ROWS:
             return d
     return 1
 
@@ -325,7 +327,12 @@ def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, config, softcap, he
         if chosen is not cfg:
             cfg, plan = chosen, plan_for(chosen)
     split = bwd_heads_per_cta(
-        plan.num_work, q.shape[1], hk, _num_sms(q.device.index or 0), heads_per_cta, plan.walk_blocks
+        plan.num_work,
+        q.shape[1],
+        hk,
+        _num_sms(q.device.index or 0),
+        heads_per_cta,
+        plan.walk_blocks * cfg.tile_m,
     )
     return plan, split, cfg
 

@@ -326,7 +326,9 @@ class CopyLaunch:
         peers: ``W`` addresses of peer ``c``'s region area (NVLink-mapped); None where no
             task writes (at most ``MAX_PEERS``).
         dtype: the word dtype (torch.int64 / int32 / int16 / uint8).
-        vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1.
+        vec: words per 16 bytes when all offsets are multiples of 16 bytes, else 1; with
+            vec > 1 every peer address (``peers``, and the outputs of ``direct``'s maps) must be
+            16-byte aligned too: the stores there are 16-byte vectors.
         num_warps: warps per program.
         fence: address of a local int32 counter; when given and a peer is written, every
             program ends with a system-scope release on it (peer stores visible before the
