@@ -4,13 +4,15 @@
 waits for that hand-off, so the kernel never ended.)
 
     python tools/bench_bwd_kernel.py [--cases full8k,causal8k] [--variants base,tile_m64]
-                                     [--whole 0,1,2,4,8] [--deterministic]
+                                     [--whole 0,1,2,4,8] [--head-groups 1,2,3,4] [--deterministic]
                                      [--lengths many-short,uniform --totals 32768]
 
 ``--whole``: also time `cute_backward` (one whole backward, gradients in the input dtype) with
 that many q heads per CTA (0: the default choice); ``--deterministic``: each of those also with
-``deterministic=True`` (ordered dQ and dK/dV adds). ``--lengths`` / ``--totals``: bench_ffa's
-varlen grid (document length distributions) after the named cases.
+``deterministic=True`` (ordered dQ and dK/dV adds); ``--head-groups``: each of those with that
+head group (CTA head slots side by side in the CTA order, schedule.py; only with ``--whole``).
+``--lengths`` / ``--totals``: bench_ffa's varlen grid (document length distributions) after the
+named cases.
 """
 
 from __future__ import annotations
