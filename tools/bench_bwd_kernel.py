@@ -33,6 +33,8 @@ def variant_config(name: str, d: int):
 
     if name == "base":
         return None
+    if not name.startswith("tile_m") or not name[len("tile_m") :].isdigit():
+        raise ValueError(f"--variants: expected base or tile_mN, got {name!r}")
     try:
         return dataclasses.replace(default_bwd_config(d), tile_m=int(name[len("tile_m") :]))
     except AssertionError:

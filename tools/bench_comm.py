@@ -406,46 +406,42 @@ def _time_raw_limits(
 
 def _reduce_rates(nat, a2a, mib: float, rank: int, world: int, dev, iters: int) -> tuple[float, float, bool]:
     """``(reduce GB/s, reduce-sym GB/s, bitwise equal to a2av on every rank)`` of ``nat`` at
-    ``mib`` MiB per rank, host ahead."""
+    ``mib`` MiB per rank, host ahead (the buffers and checks of `_checked_buffers`)."""
     rows = int(mib * (1 << 20)) // ROW_BYTES
-    ins, outs, dst, src = layout(rank, world, rows)
-    g = torch.Generator(device=dev).manual_seed(rank)
-    part = torch.randn((sum(outs), *ROW), device=dev, generator=g).to(torch.bfloat16)
-    part_d = nat.empty_output(part.shape, torch.bfloat16)
-    part_d.copy_(part)
-    acc0 = torch.randn((rows, *ROW), device=dev, generator=g).to(torch.bfloat16)
-    got = {name: acc0.clone() for name in ("plain", "sym", "a2av")}
-    nat.group_reduce(part, got["plain"], outs, ins, src, dst).wait()
-    nat.group_reduce(part_d, got["sym"], outs, ins, src, dst).wait()
-    a2a.group_reduce(part, got["a2av"], outs, ins, src, dst).wait()
-    ok = all(torch.equal(got[n].view(torch.int16), got["a2av"].view(torch.int16)) for n in ("plain", "sym"))
-    flag = torch.tensor([int(ok)], device=dev)
+    b, _, ok_red = _checked_buffers(nat, a2a, None, rank, world, rows, dev)
+    flag = torch.tensor([int(ok_red)], device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    red = acc0.clone()
+    ins, outs, dst, src = b.args
+    red = b.acc0.clone()
     n = iters or (50 if mib <= 4 else 20)
     cross = rows * ROW_BYTES * (world - 1)
-    t_plain = timed(lambda: nat.group_reduce(part, red, outs, ins, src, dst), n, 3, True)
-    t_sym = timed(lambda: nat.group_reduce(part_d, red, outs, ins, src, dst), n, 3, True)
-    nat.free_output(part_d)
+    t_plain = timed(lambda: nat.group_reduce(b.part, red, outs, ins, src, dst), n, 3, True)
+    t_sym = timed(lambda: nat.group_reduce(b.part_d, red, outs, ins, src, dst), n, 3, True)
+    nat.free_output(b.out_d)
+    nat.free_output(b.part_d)
     return cross / t_plain / 1e9, cross / t_sym / 1e9, bool(flag.item())
 
 
-def sweep_reduce(shapes: str, sizes: list[float], a2a, rank: int, world: int, dev, iters: int) -> None:
+def sweep_reduce(shapes: str, sizes: list[float], nat, a2a, rank: int, world: int, dev, iters: int) -> None:
     """group_reduce (plain and symmetric input: pulled) GB/s, host ahead, for each fused-reduction
-    tile shape of ``shapes`` ("ROWSxWARPS,...", "0x0" the defaults; NativeConfig.reduce_tile_rows /
-    reduce_warps), each checked bitwise against a2av first; rank 0 prints a table."""
+    tile shape of ``shapes`` ("ROWSxWARPS,...", "0x0" the defaults, i.e. ``nat`` itself;
+    NativeConfig.reduce_tile_rows / reduce_warps), each checked bitwise against a2av first; rank 0
+    prints a table."""
     from magi_comm import GroupCollective
     from magi_comm.backends import native as native_mod
 
     lines = []
     for shape in shapes.split(","):
         tile_rows, warps = shape.lower().split("x")
-        os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS] = tile_rows, warps
-        nat = GroupCollective(None, "native")  # reads its config from the environment
-        del os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS]
+        shaped = nat
+        if (tile_rows, warps) != ("0", "0"):
+            os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS] = tile_rows, warps
+            shaped = GroupCollective(None, "native")  # reads its config from the environment
+            del os.environ[native_mod.ENV_REDUCE_ROWS], os.environ[native_mod.ENV_REDUCE_WARPS]
         for mib in sizes:
-            lines.append((shape, mib, *_reduce_rates(nat, a2a, mib, rank, world, dev, iters)))
-        nat.close()
+            lines.append((shape, mib, *_reduce_rates(shaped, a2a, mib, rank, world, dev, iters)))
+        if shaped is not nat:
+            shaped.close()
     if rank == 0:
         print("\n| tile rows x warps | MiB | reduce GB/s | reduce-sym GB/s | bitwise == a2av |")
         print("|---|---:|---:|---:|---|")
@@ -513,7 +509,7 @@ def main() -> int:
             sweep_kernel(nat, rank, world, dev, mib)
         sizes = []
     if args.sweep_reduce:
-        sweep_reduce(args.sweep_reduce, sizes, a2a, rank, world, dev, args.iters)
+        sweep_reduce(args.sweep_reduce, sizes, nat, a2a, rank, world, dev, args.iters)
         sizes = []
     for mib in sizes:
         run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host, nat_host)

@@ -10,7 +10,7 @@ It models the tail only, not L2 traffic (which is what caps G from above).
 
 On an H100 the backward of causal 8k (16 heads of 128) measured 505 / 531 / 575 TFLOP/s with
 groups of 3 / 1 / 4; this model gives 1.156 / 1.111 / 1.005 (ratios 1.14 / 1.08 measured against
-1.15 / 1.10 modelled). Usage (from tools/, CPU):
+1.15 / 1.11 modelled). Usage (from tools/, CPU):
 
     python sim_head_groups.py [--cases causal8k,full8k,swa8k] [--lengths uniform --totals 32768]
 """

@@ -194,6 +194,7 @@ def test_copy_moves_16_byte_vectors_where_aligned(monkeypatch, src_shift):
     send(base + src_shift, base + 16 * n)
     (code,) = ptx
     assert code.count("st.global.v2.b64") >= 2, "the sink's and the peer's stores"
+    assert "st.global.b64" not in code, "a store of single words"
     vector_loads = code.count("ld.global.v2.b64")
     assert (vector_loads > 0) == (src_shift == 0), vector_loads
 
@@ -226,3 +227,15 @@ def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):
     assert len(ptx) == 2
     for code in ptx:
         assert "%globaltimer" in code and "trap;" in code, code[-2000:]
+
+
+def test_a_waiting_reduction_refuses_another_tile():
+    """launch_reduce beside the transfer reads wait tables cut by reduce_tile_rows(E, True): any
+    other tile height is refused before a launch, as the fake world refuses it."""
+    n, E, W = 8, 1024, 2
+    out = torch.zeros((n, E), dtype=torch.bfloat16)
+    rows = torch.zeros((n, W), dtype=torch.int64)
+    waits = (rows, torch.zeros(1, dtype=torch.int32), 0, (), 1)
+    with pytest.raises(ValueError, match="tile_rows"):
+        kernels.launch_reduce(out, out, None, rows, rows.to(torch.int8), torch.ones(n, dtype=torch.int64),
+                              acc_reduce=False, average=False, waits=waits, tile_rows=4)  # fmt: skip

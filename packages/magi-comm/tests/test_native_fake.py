@@ -130,20 +130,34 @@ def test_reduce_tile_shape_from_env(monkeypatch):
 
 def test_reduce_tile_shape_reaches_the_fused_reduction():
     """A reduce_tile_rows / reduce_warps setting is what the fused reduction after the transfer
-    is launched with (the results stay those of the oracle); the default passes None."""
+    is launched with (the results stay those of the oracle); a reduction beside the transfer
+    keeps the default tile (the fake refuses a shape there), so does every launch without one."""
     world = 2
-    fw = native_fake.FakeWorld(world)
-    calls = native_cases.draw(world, 7, 6, big=False)
+    calls = native_cases.draw(world, 100 + world, 24, big=False)
+    shaped = dict(buffer_bytes=1 << 20, reduce_tile_rows=4, reduce_warps=8)
+    beside = dict(block_bytes=16, overlap_chunk_bytes=16, overlap_reduce=True)
+    for kw, shapes in (
+        (shaped, {(4, 8)}),
+        (dict(shaped, **beside), None),
+        ({"buffer_bytes": 1 << 20}, set()),
+    ):
+        fw = native_fake.FakeWorld(world)
 
-    def rank_fn(rank):
-        cfg = NativeConfig(buffer_bytes=1 << 20, reduce_tile_rows=4, reduce_warps=8)
-        with NativeBackend("group", rank, world, cfg) as be:
-            for case in calls:
-                native_cases.run(be, case, rank, world)
-        native.shutdown()
+        def rank_fn(rank, kw=kw):
+            with NativeBackend("group", rank, world, NativeConfig(**kw)) as be:
+                for case in calls:
+                    native_cases.run(be, case, rank, world)
+            native.shutdown()
 
-    native_fake.run_ranks(fw, rank_fn)
-    assert fw.reduces > 0 and fw.reduce_shapes == {(4, 8)}, (fw.reduces, fw.reduce_shapes)
+        native_fake.run_ranks(fw, rank_fn)
+        assert fw.reduces > 0, kw
+        if shapes is None:  # beside the transfer: some reductions waited, those unshaped
+            assert fw.overlapped_reduces > 0 and fw.reduce_shapes <= {(4, 8)}, (
+                fw.overlapped_reduces,
+                fw.reduce_shapes,
+            )
+        else:
+            assert fw.reduce_shapes == shapes, (kw, fw.reduce_shapes)
 
 
 def _dense_layout(world: int) -> lib.Layout:

@@ -94,16 +94,21 @@ def test_kept_kv_matches_single_process():
 
 def split_backward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
     """Each case with MAGI_DIST_BWD_SPLIT=1, K/V kept and not (checked against one process by
-    `run_case`); per run, in call order, the K rows of each backward kernel call on this rank."""
+    `run_case`); per run, in call order, the K rows of each backward kernel call on this rank and
+    -1 for each group_reduce started."""
     import magi_dist.attn as attn
 
-    real, calls = attn.ffa_backward_stage, []
+    real, real_reduce, calls = attn.ffa_backward_stage, attn.group_reduce, []
 
     def counted(dout, q, k, *args, **kwargs):
         calls.append(k.shape[0])
         return real(dout, q, k, *args, **kwargs)
 
-    attn.ffa_backward_stage = counted
+    def reduce_seen(*args, **kwargs):
+        calls.append(-1)
+        return real_reduce(*args, **kwargs)
+
+    attn.ffa_backward_stage, attn.group_reduce = counted, reduce_seen
     os.environ["MAGI_DIST_BWD_SPLIT"] = "1"
     seen = []
     try:
@@ -114,7 +119,7 @@ def split_backward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
                 run_case(case)
                 seen.append(list(calls))
     finally:
-        attn.ffa_backward_stage = real
+        attn.ffa_backward_stage, attn.group_reduce = real, real_reduce
     return seen
 
 
@@ -130,9 +135,12 @@ def test_split_backward_matches_single_process():
     seen = run_ranks(3, split_backward, cases, timeout=240)
     runs = [[per_rank[2 * c + keep] for per_rank in seen] for c in range(len(cases)) for keep in (0, 1)]
     for i, ranks in enumerate(runs[:-2]):  # every case but idle-rank, K/V kept and not
-        # some rank split its backward (else nothing was tested), the remote part first
-        assert any(len(rows) == 2 for rows in ranks), (i, seen)
-        assert all(len(rows) <= 1 or rows[0] > rows[1] for rows in ranks), (i, seen)
+        # some rank split its backward (else nothing was tested): the remote part first, its
+        # reduce started before the local part's call
+        calls = [[r for r in rows if r >= 0] for rows in ranks]
+        assert any(len(c) == 2 for c in calls), (i, seen)
+        assert all(len(c) <= 1 or c[0] > c[1] for c in calls), (i, seen)
+        assert all(rows[:3] == [c[0], -1, c[1]] for rows, c in zip(ranks, calls) if len(c) == 2), (i, seen)
 
 
 @pytest.mark.parametrize(

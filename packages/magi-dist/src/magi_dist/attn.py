@@ -60,6 +60,12 @@ def _flag(name: str) -> bool:
     return _env_choice(name, ("0", "1"), "0") == "1"
 
 
+def dsink_reduce() -> str:
+    """``$MAGI_DIST_DSINK_REDUCE``: how the sink's gradient is combined over the ranks, ``none``
+    (each rank keeps its rows' share; the default), ``sum`` or ``avg``."""
+    return _env_choice(ENV_DSINK_REDUCE, _DSINK_OPS, "none")
+
+
 def bwd_split() -> bool:
     """``$MAGI_DIST_BWD_SPLIT`` (read at each backward; ranks may differ, as it changes no
     collective): ``1`` splits the degree-0 backward by keys so that the remote rows' dK/dV
@@ -304,29 +310,21 @@ def _backward_concat(
     tk, hk, d = k.shape
     st = rt.remote_tensors(q.device)[0]
     rows = tk + rt.cast_args[0].num_recv_tokens
-    if kept is None:
-        kv = _concat_kv(rt, k, v)
-    elif kept.numel():
-        kv = kept
-    elif st.empty:  # kept nothing: no work here, only the partial buffer's rows are needed
-        kv = None
-    else:
-        raise RuntimeError("magi_dist: the backward found no kept K/V rows for a stage with work")
+    # a rank whose stage is empty kept no rows (it computes nothing, only its partials are sent)
+    assert kept is None or kept.shape[0] or st.empty, "no kept K/V rows for a stage with work"
+    kv = _concat_kv(rt, k, v) if kept is None else kept
     dkv = parts.zeros(0, rows)
-    parts_st = rt.concat_parts(q.device) if split and kv is not None else None
-    if parts_st is None:
-        if kv is not None:
-            kc, vc = _split(kv, hk, d)
-            _bwd_stage(dout, q, kc, vc, out, lse, st, dq, *_split(dkv, hk, d), scale, softcap, det)
-        return dkv, [_start_reduce(rt, dkv[tk:], dkv_remote, 0)]
-    # the remote keys first, their rows' reduce started, then the local keys while it travels
-    assert kv is not None  # parts_st is None without K/V rows
-    local, remote = parts_st
-    _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, remote, dq, *_split(dkv, hk, d), scale, softcap, det)
+    first, last = st, None
+    if split:  # the remote keys first, their rows' reduce started, then the local keys while it travels
+        halves = rt.concat_parts(q.device)
+        assert halves is not None  # a degree-0 rank has its concatenated stage
+        last, first = halves
+    _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
     work = _start_reduce(rt, dkv[tk:], dkv_remote, 0)
-    _bwd_stage(
-        dout, q, *_split(kv[:tk], hk, d), out, lse, local, dq, *_split(dkv[:tk], hk, d), scale, softcap, det
-    )
+    if last is not None:
+        local_k, local_v = _split(kv[:tk], hk, d)
+        local_dk, local_dv = _split(dkv[:tk], hk, d)
+        _bwd_stage(dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det)
     return dkv, [work]
 
 
@@ -359,7 +357,7 @@ def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, com
 
 
 def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:
-    op = _env_choice(ENV_DSINK_REDUCE, _DSINK_OPS, "none")
+    op = dsink_reduce()
     if op == "none":
         return dsink
     red = dsink.to(rt.comm_device())
@@ -378,7 +376,7 @@ class _DistAttnFunc(torch.autograd.Function):
         kept = None
         keep = keep_kv()  # checked on every call, whatever the degree
         if keep and rt.me.calc.kv_concat and rt.cast_args:
-            kept = kv if kv is not None else k.new_empty(0)
+            kept = kv if kv is not None else k.new_empty((0, _row_width(k, v)))
         if kept is not None and kept.numel():
             # the kept rows hold a copy of the local K/V: save views of it, not k and v too
             k, v = _split(kept[: k.shape[0]], *k.shape[1:])

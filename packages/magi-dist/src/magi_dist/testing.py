@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import magi_dist as md
 from ffa_kernels import flex_flash_attn_func
 from magi_comm import close_default_collectives
-from magi_dist.attn import ENV_DSINK_REDUCE
+from magi_dist.attn import dsink_reduce
 from magi_solver import AttnMask, DispatchConfig, DistAttnConfig, OverlapConfig
 
 
@@ -157,7 +157,7 @@ def run_case(case: Case, group=None, device: torch.device | None = None) -> dict
     if sink is not None:
         if case.sink == "sh":  # each rank holds the gradient of its rows (MAGI_DIST_DSINK_REDUCE=none)
             total = grad(lsink).clone()
-            if os.environ.get(ENV_DSINK_REDUCE, "none") == "none":
+            if dsink_reduce() == "none":
                 dist.all_reduce(total, group=group)
             errs["dsink"] = err(total, grad(ref_sink))
         else:

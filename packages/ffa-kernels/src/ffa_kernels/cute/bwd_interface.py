@@ -106,7 +106,8 @@ _CTAS_PER_SM = 32
 # long-tailed (197) 544 / 509 (410), equal (137) 568 / 582 (460); full 128k within 2% of each
 # other. At 32k (walks 26-97 blocks) 1 head loses to 2 everywhere (uniform causal 396 / 443,
 # long-tailed full 502 / 531), so the cap (256 blocks of 80 rows) keeps 2 there and takes 1 or 2
-# at 128k, each within the runs' noise of the better.
+# at 128k: 1-4% behind the other choice on uniform causal (takes 2) and equal causal (takes 1),
+# whose walks (99, 137) no single cap separates the right way.
 MAX_CTA_WALK_ROWS = 256 * 80
 
 

@@ -67,6 +67,7 @@ class FakeWorld:
         self.progress_signals = 0  # PROGRESS slots raised by send kernels
         self.row_waits_by_progress = 0  # receiving waits passed by PROGRESS before READY
         self.overlapped = 0  # receive steps launched beside the send kernel
+        self.overlapped_reduces = 0  # of which fused reductions
         self.puts = 0
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output

@@ -264,6 +264,7 @@ def launch_reduce(
         hs = proto.Handshake(sig, 0, 0, -1)
         with world.cond:
             world.overlapped += 1
+            world.overlapped_reduces += 1
         W = need.shape[1]
         for s in range(W):
             rows = int(need[:, s].max()) if need.numel() else 0

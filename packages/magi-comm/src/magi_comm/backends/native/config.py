@@ -41,6 +41,14 @@ ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
+# NativeConfig's integer fields set from the environment (overlap_chunk_bytes in KiB)
+_INT_ENVS = {
+    "stream_priority": ENV_STREAM_PRIORITY,
+    "max_programs": ENV_MAX_PROGRAMS,
+    "overlap_chunk_bytes": ENV_OVERLAP_CHUNK_KB,
+    "reduce_tile_rows": ENV_REDUCE_ROWS,
+    "reduce_warps": ENV_REDUCE_WARPS,
+}
 CONSUMER_PROGRAMS = 128  # grid of a waiting receive step when max_programs is 0 (unbounded)
 
 
@@ -139,13 +147,7 @@ class NativeConfig:
             for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
         }
         scale = {"overlap_chunk_bytes": 1024}
-        for field, env in (
-            ("stream_priority", ENV_STREAM_PRIORITY),
-            ("max_programs", ENV_MAX_PROGRAMS),
-            ("overlap_chunk_bytes", ENV_OVERLAP_CHUNK_KB),
-            ("reduce_tile_rows", ENV_REDUCE_ROWS),
-            ("reduce_warps", ENV_REDUCE_WARPS),
-        ):
+        for field, env in _INT_ENVS.items():
             value = os.environ.get(env, "").strip()
             if value:
                 try:
@@ -162,13 +164,8 @@ class NativeConfig:
                 raise ValueError(f"${ENV_BUFFER_MB} must be positive, got {mb!r}")
         try:
             return NativeConfig(**kw)
-        except ValueError as e:  # name the variable the bad value came from
-            names = {
-                "max_programs": ENV_MAX_PROGRAMS,
-                "reduce_tile_rows": ENV_REDUCE_ROWS,
-                "reduce_warps": ENV_REDUCE_WARPS,
-            }
-            env = next((v for k, v in names.items() if k in str(e)), ENV_OVERLAP_CHUNK_KB)
+        except ValueError as e:  # name the variable the bad value came from (messages start with the field)
+            env = next(env for field, env in _INT_ENVS.items() if str(e).startswith(field))
             raise ValueError(f"${env}: {e}") from None
 
     def aligned_buffer_bytes(self) -> int:

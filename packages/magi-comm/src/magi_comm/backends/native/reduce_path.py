@@ -41,6 +41,8 @@ class ReducePath:
         self.launches = launches
         self.transport = transport
         self.kernels = kernels
+        # the fused reduction's tile after the transfer (None: the kernel's default)
+        self.shape = dict(tile_rows=config.reduce_tile_rows or None, num_warps=config.reduce_warps or None)
 
     def fused_rows(self, plan, input: torch.Tensor, rb: int, reduce_op: str) -> int:
         """Rows per region when the fused reduction applies to this call (``input`` has rows of
@@ -66,10 +68,9 @@ class ReducePath:
         pub, pulled = self.publish(plan, src, rb, fused=True, out=out)
 
         def consume(stream, words):
-            waits, cfg = None, self.config
-            shape = dict(tile_rows=cfg.reduce_tile_rows or None, num_warps=cfg.reduce_warps or None)
+            waits, shape = None, self.shape
             if words is not None:  # beside the transfer: wait for the peers' rows
-                waits = (need, order, st.sig.data_ptr(), words, cfg.max_programs or CONSUMER_PROGRAMS)
+                waits = (need, order, st.sig.data_ptr(), words, self.config.max_programs or CONSUMER_PROGRAMS)
                 shape = {}  # its wait tables are cut by the default tile
             end = (st.handshake, st.reduce_counter, st.pull_decided.data_ptr(), self.done_words(plan), pulled)
             self.kernels.launch_reduce(

@@ -107,8 +107,9 @@ def _row(base, off, DT: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _put(base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, vals, mask, VEC: tl.constexpr,
-         ALIGNED: tl.constexpr):  # fmt: skip
+def _put(
+    base, task_dst, t, W: tl.constexpr, COL: tl.constexpr, start, offs, vals, mask, ALIGNED: tl.constexpr
+):
     off = tl.load(task_dst + t * (W + 1) + COL)
     if off >= 0:
         tl.store(_row(base, off + start, vals.dtype, ALIGNED) + offs, vals, mask=mask)
@@ -158,7 +159,7 @@ def _copy_block(b, src, sink, peers, blk_task, blk_start, task_src, task_len, ta
         left = tl.multiple_of(tl.load(task_len + t) - start, VEC)
         mask = offs < left
         vals = tl.load(_row(src, tl.load(task_src + t) + start, DT, SRC16 and VEC > 1) + offs, mask=mask)
-        _put(sink, task_dst, t, W, W, start, offs, vals, mask, VEC, SINK16 and VEC > 1)
+        _put(sink, task_dst, t, W, W, start, offs, vals, mask, SINK16 and VEC > 1)
         for c in tl.static_range(W):
             _put_peer(peers, task_dst, task_split, task_within, maps, alloc_base, t, W, c, start, offs,
                       vals, mask, VEC, DIRECT, MAPW, pulled)  # fmt: skip

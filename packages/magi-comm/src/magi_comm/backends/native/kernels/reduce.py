@@ -267,6 +267,8 @@ def launch_reduce(
             program (default ``REDUCE_WARPS``; tools/bench_reduce_kernel.py sweeps both).
     """
     n_rows, E = out.shape[0], out.shape[1]
+    if waits is not None and tile_rows not in (None, reduce_tile_rows(E, True)):
+        raise ValueError(f"tile_rows: a waiting reduction keeps reduce_tile_rows(E, True), got {tile_rows}")
     if (n_rows == 0 or E == 0) and end is None:
         return
     # the regions as a tensor of out's dtype (its alignment known to the compiler: vector loads)
