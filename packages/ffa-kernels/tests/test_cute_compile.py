@@ -700,3 +700,15 @@ def test_long_causal_documents_split_the_gqa_group(monkeypatch):
         qr = t([[i * doc, (i + 1) * doc] for i in range(docs)])
         _, split, _ = bwd_interface._plan_and_split(q, k, qr, qr, t([1] * docs), None, 0.0, None, False)
         assert split == heads, (doc, split)
+
+
+@pytest.mark.parametrize("hq, heads_per_unit, fit, group", [(16, 1, 3, 2), (16, 1, 4, 4), (32, 1, 12, 8), (8, 1, 3, 2),
+                                                          (64, 8, 3, 16), (7, 1, 3, 1), (16, 1, 40, 16)])  # fmt: skip
+def test_l2_head_groups_are_equal(hq, heads_per_unit, fit, group):
+    """The head group: the most whole units within the L2 budget (``fit`` units of it) that
+    divide the units into equal groups; an override wins."""
+    from ffa_kernels.cute.interface import _L2_BUDGET, l2_head_group
+
+    unit_bytes = _L2_BUDGET // fit
+    assert l2_head_group(unit_bytes, heads_per_unit, hq) == group
+    assert l2_head_group(unit_bytes, heads_per_unit, hq, override=3) == 3

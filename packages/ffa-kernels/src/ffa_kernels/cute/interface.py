@@ -65,10 +65,16 @@ _L2_BUDGET = 24 * 1024 * 1024
 def l2_head_group(unit_bytes: int, heads_per_unit: int, hq: int, override: int | None = None) -> int:
     """How many q heads run side by side in the CTA order (schedule.py): whole units of
     ``heads_per_unit`` q heads, as many as keep the ``unit_bytes`` each unit's CTAs re-read
-    within the L2 budget (``override``: that many heads). Clamped to [1, hq]."""
+    within the L2 budget and divide the units into equal groups (``override``: that many heads).
+    Clamped to [1, hq]. Equal groups: the groups run one after another, each longest tile first,
+    so a last group of fewer heads runs its longest tiles with too few CTAs to fill the GPU (on
+    an H100, backward causal 8k with 16 heads: groups of 3, the last of 1, 505 TFLOP/s; groups of
+    4, 575)."""
     g = override
     if g is None:
-        g = max(1, _L2_BUDGET // max(1, unit_bytes)) * heads_per_unit
+        units = max(1, hq // heads_per_unit)
+        fit = min(units, max(1, _L2_BUDGET // max(1, unit_bytes)))
+        g = max(d for d in range(1, fit + 1) if units % d == 0) * heads_per_unit
     return int(max(1, min(hq, g, (1 << 23) - 1)))
 
 
