@@ -11,7 +11,8 @@ waits for that hand-off, so the kernel never ended.)
 that many q heads per CTA (0: the default choice); ``--deterministic``: each of those also with
 ``deterministic=True`` (ordered dQ and dK/dV adds); ``--head-groups``: each of those with that
 head group (CTA head slots side by side in the CTA order, schedule.py; only with ``--whole``).
-``--lengths`` / ``--totals``: bench_ffa's varlen grid (document length distributions) after the
+Every variant of a case is timed once per round, in turn (``--rounds``, median), so that clock
+drift over the run does not favour the first. ``--lengths`` / ``--totals``: bench_ffa's varlen grid (document length distributions) after the
 named cases.
 """
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--cases", default="full8k,causal8k")
     ap.add_argument("--variants", default="base")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median)")
     ap.add_argument("--whole", default="")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument(
@@ -66,17 +68,15 @@ def main() -> None:
                                    sink_layout="sh", return_max_logits=False)  # fmt: skip
         accs = [torch.zeros(x.shape, device="cuda") for x in (q, k, v)]
         call = (q, k, v, dout, out, lse, qr, kr, ty, *accs)
+        timed: dict[str, object] = {}
         for name in args.variants.split(","):
             cfg = variant_config(name, case.d)
             if cfg is False:
                 print(f"{case.name:30s} {name:10s} n/a (no such config at D {case.d})", flush=True)
                 continue
-            t = bench(
-                lambda c=call, cfg=cfg: cute_backward_stage(*c, softmax_scale=None, softcap=0.0, config=cfg),
-                args.iters,
+            timed[name] = lambda c=call, cfg=cfg: cute_backward_stage(
+                *c, softmax_scale=None, softcap=0.0, config=cfg
             )
-            tf = 10 * case.area * case.hq * case.d / t / 1e12
-            print(f"{case.name:30s} {name:10s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
         for det in (False, True) if args.deterministic else (False,):
             groups = [int(x) for x in args.head_groups.split(",") if x] or [0]
             for hpc, hg in itertools.product([int(x) for x in args.whole.split(",") if x], groups):
@@ -87,10 +87,17 @@ def main() -> None:
                     cute_backward(*call[:9], softmax_scale=None, softcap=0.0, heads_per_cta=hpc or None,
                                   head_group=hg or None, deterministic=det)  # fmt: skip
 
-                t = bench(whole, args.iters)
-                tf = 10 * case.area * case.hq * case.d / t / 1e12
-                label = f"whole{' det' if det else ''} h{hpc}" + (f" g{hg}" if hg else "")
-                print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
+                timed[f"whole{' det' if det else ''} h{hpc}" + (f" g{hg}" if hg else "")] = whole
+        # every variant in turn per round, the median of the rounds: clock and thermal drift
+        # over the run hit all of them alike (one variant after another favoured the first)
+        times: dict[str, list[float]] = {label: [] for label in timed}
+        for _ in range(args.rounds):
+            for label, fn in timed.items():
+                times[label].append(bench(fn, args.iters))
+        for label, ts in times.items():
+            t = sorted(ts)[len(ts) // 2]
+            tf = 10 * case.area * case.hq * case.d / t / 1e12
+            print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -452,16 +452,17 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
     first = time.perf_counter() - t0
     res["ffa_host_us"] = host_us(ffa)
     fns = {"ffa": ffa}
-    for gsz in [x for x in args.groups.split(",") if x]:
-        grouped = run_ffa(q, k, v, qr, kr, ty, head_group=int(gsz))
-        res[f"ffa[g={gsz}]"] = tflops(case, bench(grouped, args.iters))
+    # forward-only calls with a given head group: timed in the same rounds, not in the steps
+    grouped = {
+        f"ffa[g={g}]": run_ffa(q, k, v, qr, kr, ty, head_group=int(g)) for g in args.groups.split(",") if g
+    }
     ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
     _add_peers(case, args, (q, k, v), ffa, fns, res)
     # Rounds that time every library in turn: clock and thermal drift over the run hit all of
     # them alike (timing one library after another favoured whichever ran first). Median.
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in (*fns, *grouped)}
     for _ in range(args.rounds):
-        for name, f in fns.items():
+        for name, f in (*fns.items(), *grouped.items()):
             times[name].append(bench(f, args.iters))
     for name, ts in times.items():
         res[name] = tflops(case, _median(ts))
