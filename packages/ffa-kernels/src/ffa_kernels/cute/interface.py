@@ -68,8 +68,8 @@ def l2_head_group(unit_bytes: int, heads_per_unit: int, hq: int, override: int |
     within the L2 budget and divide the units into equal groups (``override``: that many heads).
     Clamped to [1, hq]. Equal groups: the groups run one after another, each longest tile first,
     so a last group of fewer heads runs its longest tiles with too few CTAs to fill the GPU (on
-    an H100, backward causal 8k with 16 heads: groups of 3, the last of 1, 505 TFLOP/s; groups of
-    4, 575)."""
+    an H100, backward causal 8k with 16 heads: groups of 3, the last of 1, 504 TFLOP/s; groups of
+    2, 570; docs/perf.md)."""
     g = override
     if g is None:
         units = max(1, hq // heads_per_unit)
