@@ -712,3 +712,15 @@ def test_l2_head_groups_are_equal(hq, heads_per_unit, fit, group):
     unit_bytes = _L2_BUDGET // fit
     assert l2_head_group(unit_bytes, heads_per_unit, hq) == group
     assert l2_head_group(unit_bytes, heads_per_unit, hq, override=3) == 3
+
+
+@pytest.mark.parametrize("num_cols", [64, 80, 128])
+def test_band_mask_element_counts(num_cols):
+    """masking._elements_below(x) counts a thread's accumulator columns (thread-0 coordinates
+    0, 1, 8, 9, ...) below x, for any x: the bounds of the kept run of elements in a row."""
+    pytest.importorskip("cutlass")
+    from ffa_kernels.cute.masking import _elements_below
+
+    coords = [c // 2 * 8 + c % 2 for c in range(num_cols // 4)]
+    for x in [-(1 << 30), -9, -1, *range(num_cols + 10), 1 << 30]:
+        assert _elements_below(x, num_cols) == sum(c < x for c in coords), x

@@ -355,9 +355,9 @@ class FFAForwardSm90:
         if cutlass.const_expr(masked is None):
             full = block_is_full(kb, m0, self.tile_m, self.tile_n, ks, ke, lo, hi, qs, qe)
             if not full:
-                apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe)
+                apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.tile_n == 128)
         elif cutlass.const_expr(masked):
-            apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe)
+            apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.tile_n == 128)
         if cutlass.const_expr(self.has_softcap):
             s = acc_rows_cols(acc_S)
             if track_max:

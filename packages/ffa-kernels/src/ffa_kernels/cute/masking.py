@@ -7,15 +7,24 @@ For a block whose first key is kb in a tile whose first row is m0, each thread r
     c_lo(r) = max(ks - kb, r + lo - (kb - m0)),  c_hi(r) = min(ke - kb, r + hi - (kb - m0) + 1)
 
 and rows outside [qs - m0, qe - m0) keep nothing. Column coordinates are split into a
-compile-time part (thread 0's coordinates) and a per-thread offset, so every per-element
-test is a comparison against a constant.
+compile-time part (thread 0's coordinates) and a per-thread offset.
+
+With ``bit_runs`` (the forward at 128 keys per block): a thread's columns in the wgmma
+accumulator come in pairs every 8 (thread 0's: 0, 1, 8, 9,
+16, ...), so the kept columns of a row are a contiguous run of its elements: per row the two
+bounds become element indices and one 32-bit word with the run's bits set, and each element
+tests its own (constant) bit. ptxas turns those tests into R2P (a register's bits to
+predicates, several at once) and one select per element, instead of two compares and two
+selects per element.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .mma import acc_rows_cols
 
@@ -40,11 +49,55 @@ def score_coords(thr_mma_qk, tile_m: int, tile_n: int):
     return tScS
 
 
+def _elements_below(x, num_cols: int):
+    """How many of a thread's accumulator columns (thread-0 coordinates 0, 1, 8, 9, ... below
+    ``num_cols``) lie below coordinate ``x`` (any Int32)."""
+    x = cutlass.min(cutlass.max(x, 0), num_cols)
+    return x // 8 * 2 + cutlass.min(x % 8, 2)
+
+
+@dsl_user_op
+def _bit_run(first: Int32, end: Int32, *, loc=None, ip=None) -> Uint32:
+    """Bits ``[first, end)`` of a 32-bit word set (none when end <= first); first, end in
+    [0, 32]. PTX shifts by 32 give 0 (shifts are clamped to the width), where LLVM's would be
+    undefined, hence the inline PTX."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Int32(first).ir_value(loc=loc, ip=ip), Int32(end).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b32 t, u; shl.b32 t, -1, $1; sub.s32 u, 32, $2; shr.b32 u, -1, u; and.b32 $0, t, u; }",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 @cute.jit
 def apply_band_mask(
-    acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, kb, m0, ks, ke, lo, hi, qs, qe
+    acc_S: cute.Tensor,
+    tScS: cute.Tensor,
+    t0ScS: cute.Tensor,
+    kb,
+    m0,
+    ks,
+    ke,
+    lo,
+    hi,
+    qs,
+    qe,
+    bit_runs: cutlass.Constexpr = False,
 ):
+    """Mask one score block in registers (``acc_S``, wgmma accumulator layout) to the entry's
+    band, -inf outside. ``bit_runs``: per row one 32-bit word of kept elements (rows of at most
+    32 elements); else a comparison per element. The forward at 128 keys per block takes bit
+    runs (causal D 64 8k: +4 to +7% in two alternating pairs on an H100, other masks within the
+    runs' noise; docs/perf.md); the backward measured no gain from them and keeps the
+    comparisons (4 bytes of spill with bit runs at D 128)."""
     s = acc_rows_cols(acc_S)
+    ncol = cute.size(s, mode=[1])
+    num_cols = ncol // 2 * 8  # the tile's columns
     d = kb - m0
     col_off = tScS[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
@@ -52,8 +105,20 @@ def apply_band_mask(
         c_lo = cutlass.max(ks - kb, row + lo - d) - col_off
         c_hi = cutlass.min(ke - kb, row + hi - d + 1) - col_off
         row_ok = (row + m0 >= qs) & (row + m0 < qe)
-        c_hi = c_hi if row_ok else Int32(-(1 << 20))
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = t0ScS[0, c][1]
-            keep = (col >= c_lo) & (col < c_hi)
-            s[r, c] = s[r, c] if keep else -Float32.inf
+        if cutlass.const_expr(bit_runs and ncol <= 32):
+            # one 32-bit word per row; the pairs-every-8 column layout is the wgmma
+            # accumulator's (t0ScS[0, c] = c // 2 * 8 + c % 2: every masked-block GPU test
+            # depends on it)
+            first = _elements_below(c_lo, num_cols)
+            end = _elements_below(c_hi, num_cols)
+            end = end if row_ok else Int32(0)
+            keep = _bit_run(first, end)
+            for c in cutlass.range_constexpr(ncol):
+                s[r, c] = s[r, c] if Boolean(keep & Uint32(1 << c)) else -Float32.inf
+        else:
+            # a comparison per element against thread 0's (compile-time) column coordinates
+            c_hi = c_hi if row_ok else Int32(-(1 << 20))
+            for c in cutlass.range_constexpr(ncol):
+                col = t0ScS[0, c][1]
+                keep = (col >= c_lo) & (col < c_hi)
+                s[r, c] = s[r, c] if keep else -Float32.inf
