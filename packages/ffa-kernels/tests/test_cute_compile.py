@@ -724,3 +724,17 @@ def test_band_mask_element_counts(num_cols):
     coords = [c // 2 * 8 + c % 2 for c in range(num_cols // 4)]
     for x in [-(1 << 30), -9, -1, *range(num_cols + 10), 1 << 30]:
         assert _elements_below(x, num_cols) == sum(c < x for c in coords), x
+
+
+@pytest.mark.parametrize(
+    "slots, l2_group, per_slot, group",
+    [(16, 1, 1, 4), (16, 2, 1, 4), (16, 8, 1, 8), (32, 1, 1, 4), (6, 1, 1, 3), (7, 1, 1, 4), (2, 1, 1, 2),
+     (1, 1, 1, 1), (8, 1, 8, 1), (8, 1, 2, 2), (16, 1, 4, 1)],
+)  # fmt: skip
+def test_deterministic_head_group(slots, l2_group, per_slot, group):
+    """The deterministic backward's head group: slots of at least DET_HEAD_GROUP (4) q heads
+    side by side, an equal split where one exists, never below the L2 rule's group nor above
+    the slots."""
+    from ffa_kernels.cute.bwd_interface import deterministic_head_group
+
+    assert deterministic_head_group(slots, l2_group, per_slot) == group

@@ -140,6 +140,29 @@ def bwd_head_group_size(
     return l2_head_group(total_q * d * 8 * heads_per_cta, 1, hq // heads_per_cta, override)
 
 
+# The deterministic backward's head group floor (CTA head slots side by side in the CTA order).
+# There the dQ adds to a q block wait for the earlier key tiles of the same head, so CTAs of one
+# head stall on each other; slots of other heads running beside them fill those waits. Measured
+# on an H200 (docs/perf.md), deterministic whole backward with groups of 1 / 2 / 4 / 8 / 16 slots:
+# varlen causal 32k 2.53 / 2.36 / 2.15 / 2.19 / 2.43 ms (the default mode: 2.12), causal 8k
+# - / 1.37 / 1.33 / 1.62 / 1.96; full 8k and the sliding window best at 4 as well (MHA: a slot
+# is one q head).
+DET_HEAD_GROUP = 4
+
+
+def deterministic_head_group(slots: int, l2_group: int, heads_per_slot: int = 1) -> int:
+    """The deterministic backward's head group (in slots of ``heads_per_slot`` q heads) where each
+    K/V head has one slot (no dK/dV adds between CTAs): slots of at least `DET_HEAD_GROUP` q heads
+    side by side, the largest such divisor of ``slots`` (equal groups, see
+    `interface.l2_head_group`), else that many; never below the L2 rule's ``l2_group`` and never
+    above ``slots``."""
+    want = min(slots, max(1, DET_HEAD_GROUP // heads_per_slot))
+    if l2_group >= want:
+        return l2_group
+    even = max(d for d in range(1, want + 1) if slots % d == 0)
+    return even if even > l2_group else want
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -287,7 +310,13 @@ def _launch(
     stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
-    flags = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group) << HEAD_GROUP_SHIFT
+    group = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group)
+    if deterministic and head_group is None and heads_per_cta * hk == hq:
+        # (counted in q heads: GQA 64:8 varlen causal 32k with its 8 q heads per CTA ran 14.5 ms
+        # with 4 such slots side by side against 13.4 with 1; where a K/V head has several
+        # slots, their dK/dV adds wait on each other and the L2 rule stays)
+        group = deterministic_head_group(hq // heads_per_cta, group, heads_per_cta)
+    flags = group << HEAD_GROUP_SHIFT
     fn = _launcher(q.dtype, cfg, softcap > 0.0, dkv_store, deterministic)
     if deterministic:
         # per q block and q head (dQ order), then per work tile and K/V head (dK/dV order)
