@@ -56,7 +56,7 @@ def main() -> None:
         help="the whole backward's head_group values (in CTA head slots; default: the host's choice)",
     )
     ap.add_argument("--lengths", default="", help="bench_ffa's length distributions, comma-separated")
-    ap.add_argument("--totals", default="32768", help="their totals, comma-separated")
+    ap.add_argument("--totals", default="32768,131072", help="their totals, comma-separated (as bench_ffa)")
     args = ap.parse_args()
     from ffa_kernels.cute import cute_backward, cute_backward_stage, cute_forward
 

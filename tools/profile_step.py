@@ -20,10 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tuple[int, float]], float]:
-    """{kernel name: (calls per step, microseconds per step)} over ``steps`` runs of ``fn``, and
-    the GPU's idle microseconds per step: the span from the second step's first kernel to the
-    last kernel's end, less the time some kernel ran, over ``steps - 1``. ``trace``: a Chrome trace file to write (CPU ops
-    and kernels)."""
+    """{kernel name: (calls per step, microseconds per step)} and the GPU's idle microseconds per
+    step (the span from the first to the last kernel, less the time some kernel ran), both over
+    the steps after the first of ``steps`` runs of ``fn`` (the first waits on the profiler's
+    start-up; with ``steps`` = 1 it is all there is). ``trace``: a Chrome trace file to write
+    (CPU ops and kernels)."""
     fn()
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
@@ -33,29 +34,29 @@ def kernel_times(fn, steps: int, trace: str | None = None) -> tuple[dict[str, tu
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
+    kernels = sorted(
+        (ev.time_range.start, ev.time_range.end, ev.name, ev.device_time)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    )
+    counted = steps
+    if steps > 1:  # every step launches the same kernels: drop the first step's share
+        kernels = kernels[len(kernels) // steps :]
+        counted = steps - 1
     acc: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            acc[ev.name][0] += 1
-            acc[ev.name][1] += ev.device_time
-            spans.append((ev.time_range.start, ev.time_range.end))
-    spans.sort()
-    # the first step waits on the profiler's start-up: its kernels and the gaps before them are
-    # left out of the idle time (per step over the others)
-    per_step = len(spans) // steps
-    if steps > 1:
-        spans = spans[per_step:]
+    for _, _, name, us in kernels:
+        acc[name][0] += 1
+        acc[name][1] += us
     busy, reach = 0.0, None
-    for start, end in spans:  # union of the kernels' intervals (streams may overlap)
+    for start, end, _, _ in kernels:  # union of the kernels' intervals (streams may overlap)
         if reach is None or start > reach:
             busy += end - start
             reach = end
         elif end > reach:
             busy += end - reach
             reach = end
-    idle = (spans[-1][1] - spans[0][0] - busy) if spans else 0.0
-    return {name: (n // steps, us / steps) for name, (n, us) in acc.items()}, idle / max(steps - 1, 1)
+    idle = (kernels[-1][1] - kernels[0][0] - busy) if kernels else 0.0
+    return {name: (n // counted, us / counted) for name, (n, us) in acc.items()}, idle / counted
 
 
 def main() -> None:

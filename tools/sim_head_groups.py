@@ -55,7 +55,7 @@ def main() -> None:
         "--cases", default="full8k,causal8k,swa8k,full8k_d64,causal8k_d64,full8k_d256,causal8k_d256"
     )
     ap.add_argument("--lengths", default="", help="bench_ffa's length distributions, comma-separated")
-    ap.add_argument("--totals", default="32768")
+    ap.add_argument("--totals", default="32768,131072", help="as bench_ffa")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--fixed", type=float, default=2.0, help="per-CTA setup cost, in blocks")
     ap.add_argument("--groups", default="1,2,3,4,6,8,12,16")
