@@ -12,8 +12,8 @@ that many q heads per CTA (0: the default choice); ``--deterministic``: each of 
 ``deterministic=True`` (ordered dQ and dK/dV adds); ``--head-groups``: each of those with that
 head group (CTA head slots side by side in the CTA order, schedule.py; only with ``--whole``).
 Every variant of a case is timed once per round, in turn (``--rounds``, median), so that clock
-drift over the run does not favour the first. ``--lengths`` / ``--totals``: bench_ffa's varlen grid (document length distributions) after the
-named cases.
+drift over the run does not favour the first. ``--lengths`` / ``--totals``: bench_ffa's varlen
+grid (document length distributions) after the named cases.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 
 import torch
-from bench_ffa import bench, case_inputs, grid_args, make_cases
+from bench_ffa import case_inputs, grid_args, make_cases, median, time_rounds
 
 
 def variant_config(name: str, d: int):
@@ -88,14 +88,8 @@ def main() -> None:
                                   head_group=hg or None, deterministic=det)  # fmt: skip
 
                 timed[f"whole{' det' if det else ''} h{hpc}" + (f" g{hg}" if hg else "")] = whole
-        # every variant in turn per round, the median of the rounds: clock and thermal drift
-        # over the run hit all of them alike (one variant after another favoured the first)
-        times: dict[str, list[float]] = {label: [] for label in timed}
-        for _ in range(args.rounds):
-            for label, fn in timed.items():
-                times[label].append(bench(fn, args.iters))
-        for label, ts in times.items():
-            t = sorted(ts)[len(ts) // 2]
+        for label, ts in time_rounds(timed, args.rounds, args.iters).items():
+            t = median(ts)
             tf = 10 * case.area * case.hq * case.d / t / 1e12
             print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
 

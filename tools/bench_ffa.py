@@ -244,12 +244,24 @@ def paired_overhead(base, variant, iters: int, pairs: int = 15) -> float:
             tb = bench(base, iters, warmup=1)
             tv = bench(variant, iters, warmup=1)
         ratios.append(tv / tb - 1.0)
-    return _median(ratios)
+    return median(ratios)
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     """The upper median (the middle of an odd count)."""
     return sorted(xs)[len(xs) // 2]
+
+
+def time_rounds(fns: dict, rounds: int, iters: int) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns`` (name -> callable) in ``rounds`` rounds, each round
+    timing every function once in turn (`bench`): clock and thermal drift over the run hit all
+    of them alike, where timing one after another favoured whichever ran first. Per name, the
+    rounds' times (take their `median`)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn, iters))
+    return times
 
 
 def host_us(fn, iters: int = 20) -> float:
@@ -458,14 +470,9 @@ def bench_case(case: Case, args, dtype) -> tuple[dict, float]:
     }
     ffa_ml = run_ffa(q, k, v, qr, kr, ty, max_logits=True) if args.max_logits else None
     _add_peers(case, args, (q, k, v), ffa, fns, res)
-    # Rounds that time every library in turn: clock and thermal drift over the run hit all of
-    # them alike (timing one library after another favoured whichever ran first). Median.
-    times: dict[str, list[float]] = {name: [] for name in (*fns, *grouped)}
-    for _ in range(args.rounds):
-        for name, f in (*fns.items(), *grouped.items()):
-            times[name].append(bench(f, args.iters))
+    times = time_rounds({**fns, **grouped}, args.rounds, args.iters)
     for name, ts in times.items():
-        res[name] = tflops(case, _median(ts))
+        res[name] = tflops(case, median(ts))
     if args.bwd:
         _time_training_steps(case, args, (q, k, v), fns, times, res)
     if ffa_ml is not None:
@@ -512,13 +519,10 @@ def _time_training_steps(case: Case, args, qkv: tuple, fns: dict, times: dict, r
     (the step's time, and the host's time to issue it: close to each other, the step is
     host-bound) to ``res``."""
     steps = {name: training_step(f, qkv) for name, f in fns.items()}
-    step_times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, f in steps.items():
-            step_times[name].append(bench(f, args.iters))
+    step_times = time_rounds(steps, args.rounds, args.iters)
     for name, ts in step_times.items():
-        t_step = _median(ts)
-        t_fwd = _median(times[name])
+        t_step = median(ts)
+        t_fwd = median(times[name])
         res[f"{name}_step"] = 3.5 * tflops(case, t_step)
         res[f"{name}_bwd"] = 2.5 * tflops(case, max(t_step - t_fwd, 1e-9))
         if name in ("ffa", "fa4"):

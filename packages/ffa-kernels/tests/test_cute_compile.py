@@ -702,8 +702,11 @@ def test_long_causal_documents_split_the_gqa_group(monkeypatch):
         assert split == heads, (doc, split)
 
 
-@pytest.mark.parametrize("hq, heads_per_unit, fit, group", [(16, 1, 3, 2), (16, 1, 4, 4), (32, 1, 12, 8), (8, 1, 3, 2),
-                                                          (64, 8, 3, 16), (7, 1, 3, 1), (16, 1, 40, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "hq, heads_per_unit, fit, group",
+    [(16, 1, 3, 2), (16, 1, 4, 4), (32, 1, 12, 8), (8, 1, 3, 2), (64, 8, 3, 16), (7, 1, 3, 3), (14, 1, 6, 6),
+     (16, 1, 40, 16)],
+)  # fmt: skip
 def test_l2_head_groups_are_equal(hq, heads_per_unit, fit, group):
     """The head group: the most whole units within the L2 budget (``fit`` units of it) that
     divide the units into equal groups; an override wins."""
@@ -729,12 +732,43 @@ def test_band_mask_element_counts(num_cols):
 @pytest.mark.parametrize(
     "slots, l2_group, per_slot, group",
     [(16, 1, 1, 4), (16, 2, 1, 4), (16, 8, 1, 8), (32, 1, 1, 4), (6, 1, 1, 3), (7, 1, 1, 4), (2, 1, 1, 2),
-     (1, 1, 1, 1), (8, 1, 8, 1), (8, 1, 2, 2), (16, 1, 4, 1)],
+     (1, 1, 1, 1), (8, 1, 8, 1), (8, 1, 2, 2), (16, 1, 4, 1), (10, 1, 1, 4), (10, 2, 1, 4), (5, 1, 1, 4),
+     (8, 1, 3, 2)],
 )  # fmt: skip
 def test_deterministic_head_group(slots, l2_group, per_slot, group):
-    """The deterministic backward's head group: slots of at least DET_HEAD_GROUP (4) q heads
-    side by side, an equal split where one exists, never below the L2 rule's group nor above
-    the slots."""
+    """The deterministic backward's head group: slots of about DET_HEAD_GROUP (4) q heads side by
+    side (rounded up to whole slots), equal groups where a divisor is more than half of that,
+    never below the L2 rule's group nor above the slots."""
     from ffa_kernels.cute.bwd_interface import deterministic_head_group
 
     assert deterministic_head_group(slots, l2_group, per_slot) == group
+
+
+def test_backward_head_group_choice():
+    """One launch's head group: an override wins; deterministic mode raises the L2 rule's group
+    only where each K/V head has one slot (MHA, or a whole GQA group per CTA)."""
+    from ffa_kernels.cute.bwd_interface import backward_head_group, bwd_head_group_size
+
+    args = (8192, 16, 16, 128)  # Tq, Hq, Hk, D: L2 rule 2 (16 slots, 8 MiB each)
+    l2 = bwd_head_group_size(8192, 16, 128, 1)
+    assert l2 == 2
+    assert backward_head_group(*args, 1, None, False) == l2
+    assert backward_head_group(*args, 1, None, True) == 4
+    assert backward_head_group(*args, 1, 3, True) == 3  # override
+    # GQA 16:2 with 2 q heads per CTA: 4 slots per K/V head, the L2 rule stays
+    gqa = (8192, 16, 2, 128, 2)
+    assert backward_head_group(*gqa, None, True) == backward_head_group(*gqa, None, False)
+    # a whole group of 8 q heads per CTA: one slot per K/V head, 4 q heads = 1 slot
+    assert backward_head_group(8192, 16, 2, 128, 8, None, True) == max(
+        1, bwd_head_group_size(8192, 16, 128, 8)
+    )
+
+
+@pytest.mark.parametrize(
+    "units, target, group", [(16, 3, 2), (16, 6, 4), (7, 3, 3), (9, 4, 3), (10, 4, 4), (5, 9, 5)]
+)
+def test_equal_group(units, target, group):
+    """equal_group: the largest divisor up to the target when above half of it, else the target."""
+    from ffa_kernels.cute.interface import equal_group
+
+    assert equal_group(units, target) == group

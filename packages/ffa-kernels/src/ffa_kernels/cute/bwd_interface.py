@@ -19,7 +19,7 @@ from .config import (
     default_bwd_config,
     deterministic_bwd_config,
 )
-from .interface import _aligned16, _kv_rows, kernel_scales, l2_head_group, score_constants
+from .interface import _aligned16, _kv_rows, equal_group, kernel_scales, l2_head_group, score_constants
 from .kernel_args import current_stream_handle, make_launcher
 from .tile_plan import get_plan
 
@@ -140,7 +140,8 @@ def bwd_head_group_size(
     return l2_head_group(total_q * d * 8 * heads_per_cta, 1, hq // heads_per_cta, override)
 
 
-# The deterministic backward's head group floor (CTA head slots side by side in the CTA order).
+# The deterministic backward's head group target, in q heads (CTA head slots side by side in the
+# CTA order).
 # There the dQ adds to a q block wait for the earlier key tiles of the same head, so CTAs of one
 # head stall on each other; slots of other heads running beside them fill those waits. Measured
 # on an H200 (docs/perf.md), deterministic whole backward with groups of 1 / 2 / 4 / 8 / 16 slots:
@@ -152,15 +153,25 @@ DET_HEAD_GROUP = 4
 
 def deterministic_head_group(slots: int, l2_group: int, heads_per_slot: int = 1) -> int:
     """The deterministic backward's head group (in slots of ``heads_per_slot`` q heads) where each
-    K/V head has one slot (no dK/dV adds between CTAs): slots of at least `DET_HEAD_GROUP` q heads
-    side by side, the largest such divisor of ``slots`` (equal groups, see
-    `interface.l2_head_group`), else that many; never below the L2 rule's ``l2_group`` and never
-    above ``slots``."""
-    want = min(slots, max(1, DET_HEAD_GROUP // heads_per_slot))
-    if l2_group >= want:
-        return l2_group
-    even = max(d for d in range(1, want + 1) if slots % d == 0)
-    return even if even > l2_group else want
+    K/V head has one slot (no dK/dV adds between CTAs): slots of about `DET_HEAD_GROUP` q heads
+    side by side (`interface.equal_group` of that many; larger groups lost: 8 and 16 heads ran
+    causal 8k 22% and 47% slower than 4), never fewer than the L2 rule's ``l2_group``."""
+    want = -(-DET_HEAD_GROUP // heads_per_slot)
+    return max(l2_group, equal_group(slots, want))
+
+
+def backward_head_group(
+    total_q: int, hq: int, hk: int, d: int, heads_per_cta: int, override: int | None, deterministic: bool
+) -> int:
+    """The head group (in CTA head slots) of one backward launch: ``override``, else the L2 rule
+    (`bwd_head_group_size`), raised in deterministic mode where each K/V head has one slot
+    (`deterministic_head_group`). Where a K/V head has several slots, their dK/dV adds wait on
+    each other too, and the L2 rule stays (GQA 64:8 varlen causal 32k, 8 q heads per slot, ran
+    14.5 ms with 4 slots side by side against 13.4 with 1)."""
+    group = bwd_head_group_size(total_q, hq, d, heads_per_cta, override)
+    if deterministic and override is None and heads_per_cta * hk == hq:
+        group = deterministic_head_group(hq // heads_per_cta, group, heads_per_cta)
+    return group
 
 
 @functools.cache
@@ -310,12 +321,7 @@ def _launch(
     stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
     scale_log2, premul = score_constants(softmax_scale, softcap)
-    group = bwd_head_group_size(total_q, hq, d, heads_per_cta, head_group)
-    if deterministic and head_group is None and heads_per_cta * hk == hq:
-        # (counted in q heads: GQA 64:8 varlen causal 32k with its 8 q heads per CTA ran 14.5 ms
-        # with 4 such slots side by side against 13.4 with 1; where a K/V head has several
-        # slots, their dK/dV adds wait on each other and the L2 rule stays)
-        group = deterministic_head_group(hq // heads_per_cta, group, heads_per_cta)
+    group = backward_head_group(total_q, hq, hk, d, heads_per_cta, head_group, deterministic)
     flags = group << HEAD_GROUP_SHIFT
     fn = _launcher(q.dtype, cfg, softcap > 0.0, dkv_store, deterministic)
     if deterministic:

@@ -62,19 +62,28 @@ def get_kernel(
 _L2_BUDGET = 24 * 1024 * 1024
 
 
+def equal_group(units: int, target: int) -> int:
+    """A group size near ``target`` (>= 1) for ``units`` units run group after group: the largest
+    divisor of ``units`` up to ``target`` (equal groups) when it is more than half the target,
+    else ``target`` itself (a smaller last group: e.g. 7 units with a target of 3 give 3, 3, 1
+    rather than seven groups of 1). Clamped to [1, units]."""
+    target = max(1, min(units, target))
+    even = max(d for d in range(1, target + 1) if units % d == 0)
+    return even if 2 * even > target else target
+
+
 def l2_head_group(unit_bytes: int, heads_per_unit: int, hq: int, override: int | None = None) -> int:
     """How many q heads run side by side in the CTA order (schedule.py): whole units of
     ``heads_per_unit`` q heads, as many as keep the ``unit_bytes`` each unit's CTAs re-read
-    within the L2 budget and divide the units into equal groups (``override``: that many heads).
-    Clamped to [1, hq]. Equal groups: the groups run one after another, each longest tile first,
-    so a last group of fewer heads runs its longest tiles with too few CTAs to fill the GPU (on
-    an H100, backward causal 8k with 16 heads: groups of 3, the last of 1, 504 TFLOP/s; groups of
-    2, 570; docs/perf.md)."""
+    within the L2 budget, in equal groups where `equal_group` finds them (``override``: that many
+    heads). Clamped to [1, hq]. Equal groups: the groups run one after another, each longest tile
+    first, so a last group of fewer heads runs its longest tiles with too few CTAs to fill the
+    GPU (on an H100, backward causal 8k with 16 heads: groups of 3, the last of 1, 504 TFLOP/s;
+    groups of 2, 570; docs/perf.md)."""
     g = override
     if g is None:
         units = max(1, hq // heads_per_unit)
-        fit = min(units, max(1, _L2_BUDGET // max(1, unit_bytes)))
-        g = max(d for d in range(1, fit + 1) if units % d == 0) * heads_per_unit
+        g = equal_group(units, _L2_BUDGET // max(1, unit_bytes)) * heads_per_unit
     return int(max(1, min(hq, g, (1 << 23) - 1)))
 
 

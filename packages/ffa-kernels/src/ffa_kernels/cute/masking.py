@@ -9,12 +9,12 @@ For a block whose first key is kb in a tile whose first row is m0, each thread r
 and rows outside [qs - m0, qe - m0) keep nothing. Column coordinates are split into a
 compile-time part (thread 0's coordinates) and a per-thread offset.
 
-With ``bit_runs`` (the forward at 128 keys per block): a thread's columns in the wgmma
-accumulator come in pairs every 8 (thread 0's: 0, 1, 8, 9, 16, ...), so the kept columns of a
-row are a contiguous run of its elements: per row the two bounds become element indices and one
-32-bit word with the run's bits set, and each element tests its own (constant) bit. ptxas turns those tests into R2P (a register's bits to
-predicates, several at once) and one select per element, instead of two compares and two
-selects per element.
+With ``bit_runs`` (the forward at 128 keys per block): a thread's columns in the wgmma accumulator
+come in pairs every 8 (thread 0's: 0, 1, 8, 9, 16, ...), so the kept columns of a row are a
+contiguous run of its elements: per row the two bounds become element indices and one 32-bit word
+with the run's bits set, and each element tests its own (constant) bit. ptxas turns those tests
+into R2P (a register's bits to predicates, several at once) and one select per element, instead of
+two compares and two selects per element.
 """
 
 from __future__ import annotations
