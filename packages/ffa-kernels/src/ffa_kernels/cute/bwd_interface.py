@@ -402,7 +402,8 @@ def cute_backward_stage(
     ``cute_forward``; dq_acc (Tq, Hq, D), dk_acc / dv_acc (Tk, Hk, D) float32, added to (views
     such as ``dkv[:, 0]`` / ``dkv[:, 1]`` of a packed (Tk, 2, Hk, D) buffer are updated in place;
     other layouts go through a contiguous temporary). ``heads_per_cta``: q heads one CTA walks
-    (default `bwd_heads_per_cta`). ``deterministic``: bitwise the same result every run (the dQ
+    (default `bwd_heads_per_cta`). ``head_group``: CTA head slots side by side in the CTA order
+    (default `backward_head_group`, which deterministic mode raises). ``deterministic``: bitwise the same result every run (the dQ
     reduce-adds of a q block in a fixed order, and the dK/dV adds of the CTAs that share a K/V
     head in head order). Raises NotImplementedError for what the kernel does not
     serve (head dim, dtype, float64 accumulators): the caller falls back.
