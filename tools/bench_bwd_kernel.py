@@ -23,7 +23,7 @@ import dataclasses
 import itertools
 
 import torch
-from bench_ffa import case_inputs, grid_args, make_cases, median, time_rounds
+from bench_ffa import case_inputs, grid_args, make_cases, median, tflops, time_rounds
 
 
 def variant_config(name: str, d: int):
@@ -90,7 +90,7 @@ def main() -> None:
                 timed[f"whole{' det' if det else ''} h{hpc}" + (f" g{hg}" if hg else "")] = whole
         for label, ts in time_rounds(timed, args.rounds, args.iters).items():
             t = median(ts)
-            tf = 10 * case.area * case.hq * case.d / t / 1e12
+            tf = 2.5 * tflops(case, t)  # the backward: 2.5x the forward's FLOPs
             print(f"{case.name:30s} {label:12s} {t * 1e3:8.3f} ms  {tf:6.1f} TFLOP/s", flush=True)
 
 

@@ -708,8 +708,9 @@ def test_long_causal_documents_split_the_gqa_group(monkeypatch):
      (16, 1, 40, 16)],
 )  # fmt: skip
 def test_l2_head_groups_are_equal(hq, heads_per_unit, fit, group):
-    """The head group: the most whole units within the L2 budget (``fit`` units of it) that
-    divide the units into equal groups; an override wins."""
+    """The head group: whole units within the L2 budget (``fit`` units of it), the largest
+    divisor of the units up to that when above half of it (equal groups), else ``fit`` (7 heads:
+    3, 3, 1); an override wins."""
     from ffa_kernels.cute.interface import _L2_BUDGET, l2_head_group
 
     unit_bytes = _L2_BUDGET // fit
@@ -759,9 +760,7 @@ def test_backward_head_group_choice():
     gqa = (8192, 16, 2, 128, 2)
     assert backward_head_group(*gqa, None, True) == backward_head_group(*gqa, None, False)
     # a whole group of 8 q heads per CTA: one slot per K/V head, 4 q heads = 1 slot
-    assert backward_head_group(8192, 16, 2, 128, 8, None, True) == max(
-        1, bwd_head_group_size(8192, 16, 128, 8)
-    )
+    assert backward_head_group(8192, 16, 2, 128, 8, None, True) == bwd_head_group_size(8192, 16, 128, 8)
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,7 @@ def bwd_head_group_size(
 # on an H200 (docs/perf.md), deterministic whole backward with groups of 1 / 2 / 4 / 8 / 16 slots:
 # varlen causal 32k 2.53 / 2.36 / 2.15 / 2.19 / 2.43 ms (the default mode: 2.12), causal 8k
 # - / 1.37 / 1.33 / 1.62 / 1.96; full 8k and the sliding window best at 4 as well (MHA: a slot
-# is one q head).
+# is one q head; slots of several q heads are counted in q heads, not measured).
 DET_HEAD_GROUP = 4
 
 
@@ -166,8 +166,9 @@ def backward_head_group(
     """The head group (in CTA head slots) of one backward launch: ``override``, else the L2 rule
     (`bwd_head_group_size`), raised in deterministic mode where each K/V head has one slot
     (`deterministic_head_group`). Where a K/V head has several slots, their dK/dV adds wait on
-    each other too, and the L2 rule stays (GQA 64:8 varlen causal 32k, 8 q heads per slot, ran
-    14.5 ms with 4 slots side by side against 13.4 with 1)."""
+    each other too, and the L2 rule stays (GQA 64:8 varlen causal 32k, 2 q heads per slot and 4
+    slots per K/V head, deterministic: 15.5 ms with 4 slots side by side against 13.5 with the L2
+    rule's 1)."""
     group = bwd_head_group_size(total_q, hq, d, heads_per_cta, override)
     if deterministic and override is None and heads_per_cta * hk == hq:
         group = deterministic_head_group(hq // heads_per_cta, group, heads_per_cta)

@@ -72,8 +72,8 @@ class FFAForwardSm90:
         self.has_softcap = has_softcap
         self.accumulate = accumulate
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
-        # band masks by bit runs (masking.apply_band_mask) where a thread's row is 32 elements:
-        # measured faster at D 64 (128 keys), not tried at D 256 (80 keys)
+        # band masks by bit runs (masking.apply_band_mask) at 128 keys per block: faster at D 64;
+        # at D 256 (80 keys) they measured within noise (docs/perf.md) and the comparisons stay
         self.bit_runs = cfg.tile_n == 128
         self.hdim_v = cfg.head_dim_v  # V, O and the PV GEMM's N (self.hdim: Q, K and the QK^T GEMM's K)
 

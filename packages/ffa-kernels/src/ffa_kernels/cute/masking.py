@@ -96,6 +96,7 @@ def apply_band_mask(
     comparisons (4 bytes of spill with bit runs at D 128)."""
     s = acc_rows_cols(acc_S)
     ncol = cute.size(s, mode=[1])
+    assert not bit_runs or ncol <= 32, f"bit_runs: a row of {ncol} elements does not fit one 32-bit word"
     num_cols = ncol // 2 * 8  # the tile's columns
     d = kb - m0
     col_off = tScS[0, 0][1]
@@ -104,7 +105,7 @@ def apply_band_mask(
         c_lo = cutlass.max(ks - kb, row + lo - d) - col_off
         c_hi = cutlass.min(ke - kb, row + hi - d + 1) - col_off
         row_ok = (row + m0 >= qs) & (row + m0 < qe)
-        if cutlass.const_expr(bit_runs and ncol <= 32):
+        if cutlass.const_expr(bit_runs):
             # one 32-bit word per row; the pairs-every-8 column layout is the wgmma
             # accumulator's (t0ScS[0, c] = c // 2 * 8 + c % 2: every masked-block GPU test
             # depends on it)

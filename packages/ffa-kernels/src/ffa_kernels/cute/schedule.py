@@ -1,7 +1,8 @@
 """CTA order of the sm90 kernels (device side): which (work tile, head) a CTA runs.
 
 The grid has ``num_work * num_heads`` CTAs. Heads go in groups of G (``flags >>
-HEAD_GROUP_SHIFT``, chosen on the host so that the data a group's CTAs re-read fits in L2);
+HEAD_GROUP_SHIFT``, chosen on the host: `interface.l2_head_group`, equal groups whose re-read data
+fits in L2, raised by `bwd_interface.backward_head_group` in the deterministic backward);
 inside a group the work tiles go in plan order (longest first), the G heads of one tile next
 to each other.
 """

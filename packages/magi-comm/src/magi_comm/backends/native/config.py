@@ -105,8 +105,9 @@ class NativeConfig:
             reduction when it runs after the transfer (``$MAGI_COMM_NATIVE_REDUCE_ROWS`` /
             ``_WARPS``; 0: the kernel's defaults, tuned on one GPU for local reads, see
             ``kernels.reduce_tile_rows``; powers of two). A reduction that pulls its terms from
-            the peers' inputs reads over NVLink, where other shapes may keep more bytes in flight
-            (``tools/bench_comm.py --sweep-reduce``). A reduction beside the transfer keeps the
+            the peers' inputs reads over NVLink, where other shapes might keep more bytes in
+            flight; on 2x H100 none of 7 other shapes beat the defaults at 16 and 64 MiB
+            (``tools/bench_comm.py --sweep-reduce``, docs/perf.md): a knob for other machines. A reduction beside the transfer keeps the
             defaults (its wait tables are cut by them).
     """
 
