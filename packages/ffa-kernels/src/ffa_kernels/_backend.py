@@ -86,11 +86,19 @@ def fallback(reason: str, cause: BaseException | None = None) -> str:
 
 
 def reset_cache() -> None:
-    """Forget the cached import of ``ffa_kernels.cute`` and the warn-once memory (for tests)."""
+    """Forget the cached import of ``ffa_kernels.cute``, the choices made and the warn-once
+    memory (for tests)."""
     global _cute, _cute_error
     _cute, _cute_error = _UNSET, ""
     _capability.cache_clear()
     _warned.clear()
+    _chosen.clear()
+
+
+# (direction, FFA_BACKEND's raw value, CUDA device, dtype) -> the backend chosen: every call asks,
+# and nothing it depends on changes but the variable (part of the key) and what reset_cache
+# forgets. CPU calls choose afresh (cheap there, and tests swap the backend's parts on the CPU).
+_chosen: dict[tuple, str] = {}
 
 
 def load_cute() -> ModuleType | None:
@@ -140,6 +148,17 @@ def _cute_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
 
 def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``"cute"`` or ``"reference"`` for a forward on tensors of this device and dtype."""
+    if device.type != "cuda":
+        return _select_forward(device, dtype)
+    key = ("forward", os.environ.get(ENV_VAR), device, dtype)
+    choice = _chosen.get(key)
+    if choice is None:
+        # a fallback warns (once) and a forced but impossible choice raises: neither is kept
+        choice = _chosen[key] = _select_forward(device, dtype)
+    return choice
+
+
+def _select_forward(device: torch.device, dtype: torch.dtype) -> str:
     forced = forced_backend()
     if forced == REFERENCE:
         return REFERENCE
@@ -154,6 +173,16 @@ def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
 def select_backward_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``"cute"`` or ``"reference"`` for a backward: the forward's choice, where the CuTe module
     also has the backward kernel (``cute_backward_stage``)."""
+    if device.type != "cuda":
+        return _select_backward(device, dtype)
+    key = ("backward", os.environ.get(ENV_VAR), device, dtype)
+    choice = _chosen.get(key)
+    if choice is None:
+        choice = _chosen[key] = _select_backward(device, dtype)
+    return choice
+
+
+def _select_backward(device: torch.device, dtype: torch.dtype) -> str:
     choice = select_forward_backend(device, dtype)
     if choice == CUTE and not callable(getattr(load_cute(), "cute_backward_stage", None)):
         return fallback("the CuTe module has no backward kernel (cute_backward_stage)")

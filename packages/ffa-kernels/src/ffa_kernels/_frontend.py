@@ -407,6 +407,10 @@ def ffa_backward_stage(
 # ----------------------------------------------------------------------------- autograd
 
 
+# ValidatedAttnArgs' fields after q, k, v, in order
+_REST_FIELDS = tuple(f.name for f in dataclasses.fields(ValidatedAttnArgs))[3:]
+
+
 class _FlexFlashAttn(torch.autograd.Function):
     """Autograd wrapper: differentiable in q, k, v and sink; lse and max_logits are not.
 
@@ -421,20 +425,24 @@ class _FlexFlashAttn(torch.autograd.Function):
         lse = _as(lse_acc, torch.float32)
         ctx.save_for_backward(q, k, v, sink, out, lse_acc)
         # q, k, v travel through save_for_backward only (version checks, freed after backward);
-        # keep the rest of the validated arguments with empty stand-ins for the tensors.
-        none = q.new_empty(0)
-        ctx.args = dataclasses.replace(args, q=none, k=none, v=none)
+        # the rest of the validated arguments in field order (a tuple: dataclasses.replace costs
+        # more than the checks of a call).
+        ctx.rest = tuple(getattr(args, f) for f in _REST_FIELDS)
         ctx.sink_layout = sink_layout
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse, max_logits)
+        # lse and max_logits take no gradient: autograd hands None instead of zero tensors
+        ctx.set_materialize_grads(False)
         return out, lse, max_logits
 
     @staticmethod
     @once_differentiable("flex_flash_attn_func")  # a second grad raises instead of being wrong
     def backward(ctx, dout, _dlse, _dmax):
         q, k, v, sink, out, lse_acc = ctx.saved_tensors
-        args = dataclasses.replace(ctx.args, q=q, k=k, v=v)
         dq = dk = dv = dsink = None
+        if dout is None:  # only lse / max_logits were used: nothing flows back
+            return dq, dk, dv, dsink, None, None, None, None
+        args = ValidatedAttnArgs(q, k, v, *ctx.rest)
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = _backward_whole(args, dout, out, lse_acc, ctx.deterministic)
         if sink is not None and ctx.needs_input_grad[3]:

@@ -7,7 +7,9 @@ are metadata only, and the range values reach the host once (one device-to-host 
 ``(N, 5)`` int tensor), after which the value checks are vectorised; repeated calls with the
 same range tensors reuse the result (see ``_CHECKED_RANGES`` for what a hit needs). The range
 tensors of a live `ffa_kernels.FlexMask` were checked when it was built (`register_mask`): they
-skip the value checks for as long as they live unmodified, with no cache to fall out of.
+skip the value checks for as long as they live unmodified, with no cache to fall out of. Range
+tensors checked by a call get the same kind of record for their normalised (device) copies, so
+the next call with them, and the kernels' plan lookup (cute/tile_plan.py), cost one dict lookup.
 What is checked where, and what is not, is in docs/reliability.md.
 """
 
@@ -180,6 +182,9 @@ class MaskRecord:
     device: torch.device
     slices: list[tuple[int, int, int, int, int]]
     plans: dict = field(default_factory=dict)
+    # False for the records `_check_ranges` keeps of ranges it checked: those give way to a
+    # FlexMask's (owned) record of the same tensors, never the other way round
+    owned: bool = True
 
 
 # id(q_ranges) -> record; the entry goes when that tensor dies (weakref callback), before its
@@ -200,9 +205,11 @@ def register_mask(
     total_q: int,
     total_k: int,
     slices: list[tuple[int, int, int, int, int]],
+    owned: bool = True,
 ) -> MaskRecord:
     """Record that these (contiguous int32, one device) range tensors hold the checked ``slices``
-    for ``total_q`` x ``total_k`` tokens. For `ffa_kernels.FlexMask`, which owns the tensors."""
+    for ``total_q`` x ``total_k`` tokens. For `ffa_kernels.FlexMask`, which owns the tensors
+    (``owned``), and for ranges a call checked (`_check_ranges`)."""
     key = id(q_ranges)
     rec = MaskRecord(
         weakref.ref(q_ranges, functools.partial(_forget, key)),
@@ -213,6 +220,7 @@ def register_mask(
         int(total_k),
         q_ranges.device,
         slices,
+        owned=owned,
     )
     _MASK_RECORDS[key] = rec
     return rec
@@ -249,22 +257,43 @@ def mask_record(
 def _check_ranges(
     q_ranges: object, k_ranges: object, attn_type_map: object, tq: int, tk: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]]:
+    rec = mask_record(q_ranges, k_ranges, attn_type_map, tq, tk)
+    if rec is not None and rec.device == device:
+        # a FlexMask's tensors, or device ranges an earlier call checked: unmodified since
+        assert isinstance(q_ranges, torch.Tensor) and isinstance(k_ranges, torch.Tensor)
+        assert isinstance(attn_type_map, torch.Tensor)  # mask_record checked all three
+        return q_ranges, k_ranges, attn_type_map, rec.slices
     tensors = _check_range_tensors(q_ranges, k_ranges, attn_type_map, device)
-    rec = mask_record(*tensors, tq, tk)
-    if rec is not None and rec.device == device:  # a FlexMask's tensors: checked when it was built
-        qr, kr, tm = tensors
-        assert tm is not None  # a FlexMask always holds its type map
-        return qr, kr, tm, rec.slices
     if not cacheable(tensors):  # inference tensors: no version counter to key by
         return _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
     extra = (tq, tk, str(device))
     content = _host_content(tensors)
     hit = _CHECKED_RANGES.get(tensors, extra)
     if hit is not None and hit[0] == content:
-        return hit[1]
-    result = _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
-    _CHECKED_RANGES.put(tensors, extra, (content, result))
+        result = hit[1]
+    else:
+        result = _check_ranges_uncached(q_ranges, k_ranges, attn_type_map, tq, tk, device)
+        _CHECKED_RANGES.put(tensors, extra, (content, result))
+    _remember_checked(result, tq, tk)
     return result
+
+
+def _remember_checked(
+    result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int, int, int]]],
+    tq: int,
+    tk: int,
+) -> None:
+    """Keep a record (`register_mask`, not owned) of the checked device ranges ``result``, unless
+    they have a current one or a live FlexMask owns them. Host ranges keep none: a write through
+    ``.numpy()`` misses the version counter, so they are compared by content every call. Device
+    ranges are trusted by their version counter, as in ``_CHECKED_RANGES``."""
+    qr, kr, tm, slices = result
+    if qr.device.type == "cpu" or mask_record(qr, kr, tm, tq, tk) is not None:
+        return
+    old = _MASK_RECORDS.get(id(qr))
+    if old is not None and old.owned and old.q_ref() is qr:
+        return
+    register_mask(qr, kr, tm, tq, tk, slices, owned=False)
 
 
 def _check_range_tensors(

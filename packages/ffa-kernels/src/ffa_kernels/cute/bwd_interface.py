@@ -278,7 +278,7 @@ def bwd_preprocess(
         out = out.to(torch.float32)
     do_c = _aligned16(dout.contiguous())
     out_c = _aligned16(out.contiguous())
-    lse_c = lse.to(torch.float32).contiguous()
+    lse_c = (lse if lse.dtype == torch.float32 else lse.to(torch.float32)).contiguous()
     _preprocess_launcher(dout.dtype, out_c.dtype, d)(
         (
             do_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr(), stats.data_ptr(), tq, hq, stats.shape[-1],
@@ -317,7 +317,7 @@ def _launch(
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     q = _aligned16(q.contiguous())
-    do = _aligned16(dout.to(q.dtype).contiguous())
+    do = _aligned16((dout if dout.dtype == q.dtype else dout.to(q.dtype)).contiguous())
     fold = fold_scale(softmax_scale, q.dtype)
     stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
@@ -333,9 +333,11 @@ def _launch(
         ranks_ptr, sem_ptr = plan.ranks.data_ptr(), sem.data_ptr()
     else:
         ranks_ptr = sem_ptr = plan.work.data_ptr()  # not read
+    lse2_ptr = stats.data_ptr()  # stats[0] and stats[1], without two indexing ops
+    delta_ptr = lse2_ptr + stats.stride(0) * stats.element_size()
     fn(
         (
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), stats[0].data_ptr(), stats[1].data_ptr(),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), lse2_ptr, delta_ptr,
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), plan.work.data_ptr(), plan.entries.data_ptr(),
             ranks_ptr, sem_ptr, total_q, total_k, hq, hk, plan.num_work, plan.num_entries, kv_row_stride, dkv_row_stride,
             stats.shape[-1], heads_per_cta, scale_log2, premul, softmax_scale / fold, 1.0 / fold, flags,
