@@ -47,7 +47,7 @@ def cta_costs(walks: list[float], slots: int, group: int) -> list[float]:
 def main() -> None:
     from ffa_kernels.cute.bwd_interface import bwd_head_group_size, bwd_heads_per_cta
     from ffa_kernels.cute.config import default_bwd_config, default_config
-    from ffa_kernels.cute.interface import head_group_size
+    from ffa_kernels.cute.interface import head_group_size, tail_head_group
     from ffa_kernels.cute.tile_plan import get_plan
 
     ap = argparse.ArgumentParser()
@@ -68,7 +68,10 @@ def main() -> None:
         fcfg = default_config(case.d, case.dv)
         plan = get_plan(qr, kr, ty, case.total, fcfg.tile_m, fcfg.tile_n, cpu)
         walks = [float(w) + args.fixed for w in plan.work[:, 3].tolist()]
-        g_now = head_group_size(case.total, case.hq, case.hk, case.d, case.dv, 2)
+        g_now = tail_head_group(
+            head_group_size(case.total, case.hq, case.hk, case.d, case.dv, 2), case.hq // case.hk, case.hq, plan,
+            args.sms,
+        )  # fmt: skip
         rows.append(("fwd", walks, case.hq, case.hq // case.hk, g_now))  # groups of q heads, whole K/V heads
         if case.d in (64, 128):
             bcfg = default_bwd_config(case.d)

@@ -771,3 +771,39 @@ def test_equal_group(units, target, group):
     from ffa_kernels.cute.interface import equal_group
 
     assert equal_group(units, target) == group
+
+
+def _causal_docs_plan(lengths):
+    """The forward's tile plan (D 128 config) of causal documents of ``lengths`` tokens."""
+    from ffa_kernels.cute.tile_plan import get_plan
+
+    cfg = default_config(128)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    qr = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)], dtype=torch.int32)
+    ty = torch.ones(len(lengths), dtype=torch.int32)
+    return get_plan(qr, qr.clone(), ty, sum(lengths), cfg.tile_m, cfg.tile_n, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "lengths, hq, heads_per_unit, group, doubled",
+    [
+        ([8192] + [1024] * 24, 16, 1, 1, 2),  # one long document among short ones: its tile is the tail
+        ([4096] * 8, 16, 1, 1, 1),  # equal documents: no tile longer than the group's share
+        ([8192] + [1024] * 24, 16, 1, 16, 16),  # one group already holds every head
+        ([2048], 64, 8, 8, 16),  # GQA: whole K/V heads (ratio 14.1 / 8 heads)
+        ([2048] + [256] * 24, 6, 1, 2, 3),  # doubled to 4 would leave 4 + 2: equal groups of 3
+        ([2048] + [256] * 24, 16, 1, 1, 2),  # doubled once at most (ratio 7.1)
+        ([8192] + [1024] * 24, 64, 8, 8, 8),  # GQA: whole K/V heads hold enough work (2.5 / 8)
+    ],
+)
+def test_tail_head_group(lengths, hq, heads_per_unit, group, doubled):
+    """The forward's head group is doubled (once, in whole units and equal groups) where a work
+    tile walks more than _TAIL_RATIO times the group's blocks per SM, and kept otherwise."""
+    from ffa_kernels.cute.interface import _CTA_SETUP_BLOCKS, _TAIL_RATIO, tail_head_group
+
+    plan = _causal_docs_plan(lengths)
+    ratio = (plan.max_walk + _CTA_SETUP_BLOCKS) / (
+        group * (plan.total_blocks + _CTA_SETUP_BLOCKS * plan.num_work) / 132
+    )
+    assert (ratio > _TAIL_RATIO) == (doubled != group) or group >= hq, ratio
+    assert tail_head_group(group, heads_per_unit, hq, plan, 132) == doubled

@@ -4,7 +4,6 @@ backward plan, argument packing, ``cute_backward_stage`` (adds into float32 accu
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -19,7 +18,15 @@ from .config import (
     default_bwd_config,
     deterministic_bwd_config,
 )
-from .interface import _aligned16, _kv_rows, equal_group, kernel_scales, l2_head_group, score_constants
+from .interface import (
+    _aligned16,
+    _kv_rows,
+    equal_group,
+    kernel_scales,
+    l2_head_group,
+    num_sms,
+    score_constants,
+)
 from .kernel_args import current_stream_handle, make_launcher
 from .tile_plan import get_plan
 
@@ -175,9 +182,7 @@ def backward_head_group(
     return group
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_num_sms = num_sms  # a module attribute of its own: the CPU tests set it
 
 
 def stat_stride(total_q: int) -> int:

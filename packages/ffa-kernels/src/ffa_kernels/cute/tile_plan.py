@@ -53,6 +53,8 @@ class TilePlan:
     total_blocks: int  # sum over work tiles of their blocks (per head)
     # the work-weighted mean of the blocks a work tile walks: sum(blocks^2) / sum(blocks)
     walk_blocks: float = 0.0
+    # the most blocks one work tile walks
+    max_walk: int = 0
     # deterministic backward plans only: int32 (W + total_blocks,): per work tile the index of
     # its first block visit, offset by W, then per visit its rank among the visits to the same
     # q block (`visit_ranks`)
@@ -439,6 +441,7 @@ def _get_plan_by_content(
         num_entries=int(entries.shape[0]),
         total_blocks=total_blocks,
         walk_blocks=mean_walk(work),
+        max_walk=int(work[:, 3].max()) if work.shape[0] else 0,
         ranks=None if ranks is None else ranks.to(device, non_blocking=False),
     )
     if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
