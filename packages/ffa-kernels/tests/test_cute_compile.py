@@ -181,13 +181,16 @@ def test_plan_full_blocks_are_found():
     )
     n_full = int((ent[:, 9] - ent[:, 8]).sum())
     assert n_full == 36 - 8
-    # full 1000 x 1000: the last k block is partial; the last q tile has 104 rows: on the fixed
-    # grid its rows past the slice need the mask, as a segment tile (stopping at row 1000) not
+    # full 1000 x 1000: the last k block is partial; the last q tile has 104 rows: its rows past
+    # row 1000 are never stored, so on the fixed grid as in a segment tile they need no mask
     full = (torch.tensor([[0, 1000]]), torch.tensor([[0, 1000]]), torch.tensor([0]), 1000, 128, 128)
-    _, ent, _ = build_plan_cpu(*full, segment_rows=False)
+    for segment_rows in (False, True):
+        _, ent, _ = build_plan_cpu(*full, segment_rows=segment_rows)
+        assert int((ent[:, 9] - ent[:, 8]).sum()) == 8 * 7
+    # a slice that stops before the last tile's stored rows do: those rows still need the mask
+    part = (torch.tensor([[0, 990]]), torch.tensor([[0, 1000]]), torch.tensor([0]), 1000, 128, 128)
+    _, ent, _ = build_plan_cpu(*part, segment_rows=False)
     assert int((ent[:, 9] - ent[:, 8]).sum()) == 7 * 7
-    _, ent, _ = build_plan_cpu(*full, segment_rows=True)
-    assert int((ent[:, 9] - ent[:, 8]).sum()) == 8 * 7
 
 
 def test_plan_empty_blocks_never_planned():

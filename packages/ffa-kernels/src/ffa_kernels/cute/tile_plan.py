@@ -123,14 +123,18 @@ def build_band_plan(
     tile_n: int,
     align_cols: bool = False,
     segment_rows: bool = False,
+    stored_rows_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Work tiles of ``tile_m`` rows over the row axis, each with its entries of ``tile_n``-wide
     column blocks (module docstring). ``align_cols``: every column block starts at a multiple of
     tile_n (a few more masked columns; blocks of different work tiles then coincide or are
     disjoint). ``segment_rows``: row tiles start at every band's first and last row instead of
     on the tile_m grid (`row_tiles`; for the forward kernel, which stores only the rows below a
-    tile's end). Returns (work int32 (W, WORK_COLS), entries int32 (E, ENTRY_COLS),
-    total_blocks)."""
+    tile's end). ``stored_rows_only`` (the forward kernel: it stores, and takes max logits of,
+    the rows below a tile's end only): a block's fullness is judged on the rows below
+    ``total_rows``, so the grid's last tile, when it holds fewer rows, has full blocks too
+    (causal 8k at D 64, 192-row tiles: 64 masked blocks in that tile, 2 now). Returns (work
+    int32 (W, WORK_COLS), entries int32 (E, ENTRY_COLS), total_blocks)."""
     qs, qe, ks, ke, lo, hi = bands
     # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
     qs_eff = torch.maximum(qs, ks - hi)
@@ -141,6 +145,8 @@ def build_band_plan(
 
     bounds = torch.cat([qs_eff, qe_eff]) if segment_rows else None
     tile_start, tile_end = row_tiles(total_rows, tile_m, bounds)
+    if stored_rows_only:
+        tile_end = tile_end.clamp(max=total_rows)
     num_tiles = tile_start.shape[0]
     # (slice, row tile) pairs: the tiles that hold a row of [qs_eff, qe_eff)
     t0 = torch.searchsorted(tile_start, qs_eff, right=True) - 1
@@ -214,11 +220,13 @@ def build_plan_cpu(
     if segment_rows is None:
         segment_rows = SEGMENT_ROWS
     if segment_rows is not None:
-        return build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=segment_rows)
-    grid = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=False)
+        return build_band_plan(
+            bands, total_q, tile_m, tile_n, segment_rows=segment_rows, stored_rows_only=True
+        )
+    grid = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=False, stored_rows_only=True)
     if not rows_disjoint(bands[0], bands[1]):
         return grid
-    docs = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=True)
+    docs = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=True, stored_rows_only=True)
     return docs if plan_cost(docs) < plan_cost(grid) else grid
 
 
