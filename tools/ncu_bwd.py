@@ -7,7 +7,8 @@ profile the backward kernels side by side (GPU machine):
         --section Occupancy --section LaunchStats python3 tools/ncu_bwd.py full [--head-dim 128]
 
 ``--launch-skip 2`` skips the first step's kernels (compilation, caches). bf16, 8192 tokens, the
-heads of 16 x 128 at any head dim.
+heads of 16 x 128 at any head dim. ``swa``: bench_ffa's sliding-window case (causal, window
+1024, 8k, D 128) instead.
 """
 
 from __future__ import annotations
@@ -19,10 +20,24 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mask", choices=("full", "causal"))
+    ap.add_argument("mask", choices=("full", "causal", "swa"))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=8192)
     args = ap.parse_args()
+    if args.mask == "swa":
+        from bench_ffa import case_inputs, make_cases, run_fa4, run_ffa_autograd, training_step
+
+        case = make_cases(["swa8k"])[0]
+        q, k, v, qr, kr, ty = case_inputs(case, requires_grad=True)
+        steps = [
+            training_step(run_ffa_autograd(q, k, v, qr, kr, ty), (q, k, v)),
+            training_step(run_fa4(case, q, k, v), (q, k, v)),
+        ]
+        for _ in range(2):
+            for step in steps:
+                step()
+        torch.cuda.synchronize()
+        return
     from flash_attn.cute import flash_attn_func
 
     from ffa_kernels import flex_flash_attn_func
