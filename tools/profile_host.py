@@ -5,9 +5,11 @@ inside the timed loop: where that is close to the GPU time, the call is host-bou
 functions that take the most time of their own (tottime) and in all (cumtime).
 
     python tools/profile_host.py [--cases swa8k,causal8k] [--calls 200] [--top 25] [--fa4]
-                                 [--breakdown]
+                                 [--api | --breakdown]
 
-``--breakdown``: instead of profiles, the unprofiled host microseconds of each layer of a call
+``--api``: instead of cProfile, torch.profiler's CPU events (torch ops, CUDA runtime and driver
+calls: a synchronising call shows up there with its count). ``--breakdown``: instead of
+profiles, the unprofiled host microseconds of each layer of a call
 (argument checks, the forward kernel's host interface, the autograd forward, the backward's
 host interface, the whole step), so that the difference between two lines is that layer's cost.
 """
@@ -27,14 +29,7 @@ from bench_ffa import case_inputs, make_cases, run_fa4, run_ffa_autograd, traini
 def host_profile(fn, calls: int, top: int, label: str) -> None:
     """Print ``fn``'s host microseconds per call over ``calls`` calls (after a warm-up), then the
     ``top`` functions of a profile of the same calls by own time and by cumulative time."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
+    host = host_us_per_call(fn, calls)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):

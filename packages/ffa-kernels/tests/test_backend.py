@@ -253,3 +253,39 @@ def test_kernels_decline_scales_that_are_not_positive(scale, what):
     with pytest.raises(NotImplementedError, match=f"softmax_scale: the sm90 {what} supports scales > 0"):
         kernel_scales(q, q, scale, 0.0, what)
     assert kernel_scales(q, q, 0.05, 0.0, what) == (0.05, 0.0)
+
+
+def test_cuda_backend_choice_is_kept_per_variable_device_and_dtype(monkeypatch):
+    """The choice for a CUDA device is made once per (direction, FFA_BACKEND value, device,
+    dtype): setting FFA_BACKEND chooses afresh, a choice that raises is not kept, reset_cache
+    forgets them. (No GPU needed: the selector is a stand-in.)"""
+    calls = []
+
+    def select(device, dtype):
+        calls.append((device, dtype))
+        if _backend.forced_backend() == "cute" and dtype == torch.float32:
+            raise RuntimeError("FFA_BACKEND=cute, but the CuTe backend cannot serve this call")
+        return "cute" if _backend.forced_backend() is None else _backend.forced_backend()
+
+    dev = torch.device("cuda", 0)
+    assert _backend._kept_choice("forward", dev, torch.bfloat16, select) == "cute"
+    assert _backend._kept_choice("forward", dev, torch.bfloat16, select) == "cute"
+    assert len(calls) == 1
+    assert _backend._kept_choice("backward", dev, torch.bfloat16, select) == "cute"
+    assert len(calls) == 2  # per direction
+    monkeypatch.setenv("FFA_BACKEND", "reference")
+    assert _backend._kept_choice("forward", dev, torch.bfloat16, select) == "reference"
+    monkeypatch.setenv("FFA_BACKEND", "cute")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="FFA_BACKEND=cute"):
+            _backend._kept_choice("forward", dev, torch.float32, select)
+    assert len(calls) == 5  # the raise was not kept
+    monkeypatch.delenv("FFA_BACKEND")
+    _backend.reset_cache()
+    assert _backend._kept_choice("forward", dev, torch.bfloat16, select) == "cute"
+    assert len(calls) == 6
+    # CPU devices choose every time
+    cpu = torch.device("cpu")
+    _backend._kept_choice("forward", cpu, torch.bfloat16, select)
+    _backend._kept_choice("forward", cpu, torch.bfloat16, select)
+    assert len(calls) == 8

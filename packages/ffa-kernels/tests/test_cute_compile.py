@@ -797,6 +797,7 @@ def _causal_docs_plan(lengths):
         ([2048] + [256] * 24, 6, 1, 2, 3),  # doubled to 4 would leave 4 + 2: equal groups of 3
         ([2048] + [256] * 24, 16, 1, 1, 2),  # doubled once at most (ratio 7.1)
         ([8192] + [1024] * 24, 64, 8, 8, 8),  # GQA: whole K/V heads hold enough work (2.5 / 8)
+        ([2048] + [256] * 24, 5, 1, 1, 1),  # 5 heads: no equal groups of 2, so kept (not 4 + 1)
     ],
 )
 def test_tail_head_group(lengths, hq, heads_per_unit, group, doubled):
@@ -808,5 +809,5 @@ def test_tail_head_group(lengths, hq, heads_per_unit, group, doubled):
     ratio = (plan.max_walk + _CTA_SETUP_BLOCKS) / (
         group * (plan.total_blocks + _CTA_SETUP_BLOCKS * plan.num_work) / 132
     )
-    assert (ratio > _TAIL_RATIO) == (doubled != group) or group >= hq, ratio
+    assert (ratio > _TAIL_RATIO) == (doubled != group) or group >= hq or hq % (2 * group), ratio
     assert tail_head_group(group, heads_per_unit, hq, plan, 132) == doubled

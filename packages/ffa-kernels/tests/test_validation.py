@@ -352,3 +352,43 @@ def test_backward_stage_deterministic_must_be_bool():
             kw["q_ranges"], kw["k_ranges"], kw["attn_type_map"], torch.zeros(6, 4, 8), torch.zeros(5, 2, 8),
             torch.zeros(5, 2, 8), deterministic="yes",
         )  # fmt: skip
+
+
+def test_checked_ranges_record_skips_inference_copies():
+    """A record of checked ranges is kept for device tensors with a version counter only:
+    normalised copies made under inference mode (here the type map made for None) keep none,
+    and asking does not raise. (Meta tensors stand in for a CUDA device.)"""
+    from ffa_kernels import _validate
+
+    slices = [(0, 4, 0, 4, 0)]
+    qr = torch.tensor([[0, 4]], dtype=torch.int32, device="meta")
+    kr = torch.tensor([[0, 4]], dtype=torch.int32, device="meta")
+    with torch.inference_mode():
+        tm = torch.zeros(1, dtype=torch.int32, device="meta")
+        _validate._remember_checked((qr, kr, tm, slices), 4, 4)
+    assert _validate.mask_record(qr, kr, tm) is None
+    tm = torch.zeros(1, dtype=torch.int32, device="meta")
+    _validate._remember_checked((qr, kr, tm, slices), 4, 4)
+    rec = _validate.mask_record(qr, kr, tm, 4, 4)
+    assert rec is not None and not rec.owned and rec.slices == slices
+    kr.add_(0)  # in place: the record no longer holds
+    assert _validate.mask_record(qr, kr, tm, 4, 4) is None
+
+
+def test_checked_ranges_record_never_replaces_a_flexmask_record():
+    """A FlexMask's (owned) record of live tensors stays when a call checks the same tensors for
+    other totals; an unowned record is replaced."""
+    from ffa_kernels import _validate
+
+    qr = torch.tensor([[0, 4]], dtype=torch.int32, device="meta")
+    kr = torch.tensor([[0, 4]], dtype=torch.int32, device="meta")
+    tm = torch.zeros(1, dtype=torch.int32, device="meta")
+    owned = _validate.register_mask(qr, kr, tm, 4, 4, [(0, 4, 0, 4, 0)])
+    _validate._remember_checked((qr, kr, tm, [(0, 4, 0, 4, 0)]), 8, 8)
+    assert _validate.mask_record(qr, kr, tm) is owned
+    qr2 = torch.tensor([[0, 4]], dtype=torch.int32, device="meta")
+    _validate._remember_checked((qr2, kr, tm, [(0, 4, 0, 4, 0)]), 4, 4)
+    first = _validate.mask_record(qr2, kr, tm, 4, 4)
+    _validate._remember_checked((qr2, kr, tm, [(0, 4, 0, 4, 0)]), 8, 8)
+    second = _validate.mask_record(qr2, kr, tm, 8, 8)
+    assert first is not None and second is not None and second is not first

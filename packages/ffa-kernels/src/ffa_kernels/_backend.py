@@ -146,16 +146,21 @@ def _cute_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | 
     return None
 
 
-def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """``"cute"`` or ``"reference"`` for a forward on tensors of this device and dtype."""
+def _kept_choice(direction: str, device: torch.device, dtype: torch.dtype, select) -> str:
+    """``select(device, dtype)``, kept in ``_chosen`` for CUDA devices. A fallback's choice is
+    kept (its warning was given, once); a forced but impossible choice raises and is not."""
     if device.type != "cuda":
-        return _select_forward(device, dtype)
-    key = ("forward", os.environ.get(ENV_VAR), device, dtype)
+        return select(device, dtype)
+    key = (direction, os.environ.get(ENV_VAR), device, dtype)
     choice = _chosen.get(key)
     if choice is None:
-        # a fallback warns (once) and a forced but impossible choice raises: neither is kept
-        choice = _chosen[key] = _select_forward(device, dtype)
+        choice = _chosen[key] = select(device, dtype)
     return choice
+
+
+def select_forward_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """``"cute"`` or ``"reference"`` for a forward on tensors of this device and dtype."""
+    return _kept_choice("forward", device, dtype, _select_forward)
 
 
 def _select_forward(device: torch.device, dtype: torch.dtype) -> str:
@@ -173,13 +178,7 @@ def _select_forward(device: torch.device, dtype: torch.dtype) -> str:
 def select_backward_backend(device: torch.device, dtype: torch.dtype) -> str:
     """``"cute"`` or ``"reference"`` for a backward: the forward's choice, where the CuTe module
     also has the backward kernel (``cute_backward_stage``)."""
-    if device.type != "cuda":
-        return _select_backward(device, dtype)
-    key = ("backward", os.environ.get(ENV_VAR), device, dtype)
-    choice = _chosen.get(key)
-    if choice is None:
-        choice = _chosen[key] = _select_backward(device, dtype)
-    return choice
+    return _kept_choice("backward", device, dtype, _select_backward)
 
 
 def _select_backward(device: torch.device, dtype: torch.dtype) -> str:

@@ -440,7 +440,7 @@ class _FlexFlashAttn(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dmax):
         q, k, v, sink, out, lse_acc = ctx.saved_tensors
         dq = dk = dv = dsink = None
-        if dout is None:  # only lse / max_logits were used: nothing flows back
+        if dout is None:  # out's gradient is undefined (lse and max_logits take none): no grads
             return dq, dk, dv, dsink, None, None, None, None
         args = ValidatedAttnArgs(q, k, v, *ctx.rest)
         if any(ctx.needs_input_grad[:3]):

@@ -169,9 +169,10 @@ def _host_content(tensors: tuple[torch.Tensor | None, ...]) -> tuple[bytes | Non
 
 @dataclass(eq=False)
 class MaskRecord:
-    """What `ffa_kernels.FlexMask` checked once: kept beside its ``q_ranges`` tensor (weakly
-    referenced, so it lives exactly as long as the mask's tensors). ``plans``: the CuTe tile plans
-    of the mask (cute/tile_plan.py), kept here so that a live mask never plans twice."""
+    """What `ffa_kernels.FlexMask` checked once (``owned``), or a call checked of its ranges on
+    q's device (`_remember_checked`): kept beside the ``q_ranges`` tensor (weakly referenced, so
+    it lives exactly as long as the tensors). ``plans``: the CuTe tile plans of the mask
+    (cute/tile_plan.py), kept here so that live ranges never plan twice."""
 
     q_ref: weakref.ReferenceType
     k_ref: weakref.ReferenceType
@@ -233,8 +234,9 @@ def mask_record(
     total_q: int | None = None,
     total_k: int | None = None,
 ) -> MaskRecord | None:
-    """The record of the live `FlexMask` whose tensors these are, unmodified since it was built
-    (and built for ``total_q`` x ``total_k`` when they are given), else None. No device access."""
+    """The record of these tensors (a live `FlexMask`'s, or ranges a call checked on q's
+    device), unmodified since it was made (and made for ``total_q`` x ``total_k`` when they are
+    given), else None. No device access."""
     rec = _MASK_RECORDS.get(id(q_ranges))
     if rec is None or rec.q_ref() is not q_ranges:
         return None
@@ -283,12 +285,16 @@ def _remember_checked(
     tq: int,
     tk: int,
 ) -> None:
-    """Keep a record (`register_mask`, not owned) of the checked device ranges ``result``, unless
-    they have a current one or a live FlexMask owns them. Host ranges keep none: a write through
-    ``.numpy()`` misses the version counter, so they are compared by content every call. Device
-    ranges are trusted by their version counter, as in ``_CHECKED_RANGES``."""
+    """Keep a record (`register_mask`, not owned) of the checked ranges ``result`` (normalised:
+    on q's device), unless they have a current one or a FlexMask's record of the same live
+    tensors exists. Ranges on the CPU (a CPU call's) keep none: a write through ``.numpy()``
+    misses the version counter, so they are compared by content every call; device ranges are
+    trusted by their version counter, as in ``_CHECKED_RANGES``. Inference tensors (normalised
+    copies made under ``torch.inference_mode``) have no version counter: none either."""
     qr, kr, tm, slices = result
-    if qr.device.type == "cpu" or mask_record(qr, kr, tm, tq, tk) is not None:
+    if qr.device.type == "cpu" or not cacheable((qr, kr, tm)):
+        return
+    if mask_record(qr, kr, tm, tq, tk) is not None:
         return
     old = _MASK_RECORDS.get(id(qr))
     if old is not None and old.owned and old.q_ref() is qr:

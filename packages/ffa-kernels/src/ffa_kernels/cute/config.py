@@ -188,7 +188,6 @@ D128_BWD_ROWS = 80  # q block rows of the D 128 backward's default config
 
 
 @functools.cache
-@functools.cache
 def default_bwd_config(head_dim: int, softcap: bool = False) -> BwdConfig:
     """128-key tiles, two consumer warpgroups; q blocks of 80 rows at D 128 and 128 rows at
     D 64 (measured on an H100, kernel alone, against 64 rows in the same run: full 8k 585 -> 663,

@@ -15,7 +15,7 @@ from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, current_stream_handle, make_launcher
-from .tile_plan import get_plan
+from .tile_plan import TilePlan, get_plan
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ _CTA_SETUP_BLOCKS = 2
 _TAIL_RATIO = 1.5
 
 
-def tail_head_group(group: int, heads_per_unit: int, hq: int, plan, num_sms: int) -> int:
+def tail_head_group(group: int, heads_per_unit: int, hq: int, plan: TilePlan, num_sms: int) -> int:
     """The forward's head group ``group`` (the L2 rule's), doubled where one group's work is too
     thin to hide its longest work tile: groups run one after another, each longest tile first,
     so when a tile walks more than ``_TAIL_RATIO`` times the group's blocks per SM, the next
@@ -111,15 +111,18 @@ def tail_head_group(group: int, heads_per_unit: int, hq: int, plan, num_sms: int
     heads): on an H100, long-tailed causal 16:16 471-489 -> 514 TFLOP/s, few-long-many-short
     causal 496 -> 524 with groups of 2 (tools/sim_head_groups.py models 1.061 -> 1.009 and
     1.033 -> 1.004 of the ideal makespan); the masks whose ratio stays under 1.5 did not gain.
-    Doubled once at most, in whole units of ``heads_per_unit`` heads and equal groups
-    (`equal_group`): the L2 budget is what stops larger groups (4 lost to 2 there)."""
+    Doubled once at most, in whole units of ``heads_per_unit`` heads, and only into equal groups
+    (`equal_group`'s choice must divide the units: 5 heads stay in groups of 1 rather than 4 + 1,
+    whose last group is the tail again); the L2 budget is what stops larger groups (4 lost to 2
+    there)."""
     if group >= hq or plan.num_work == 0:
         return group
     per_head = plan.total_blocks + _CTA_SETUP_BLOCKS * plan.num_work
     if plan.max_walk + _CTA_SETUP_BLOCKS <= _TAIL_RATIO * group * per_head / num_sms:
         return group
     units = hq // heads_per_unit
-    return equal_group(units, 2 * group // heads_per_unit) * heads_per_unit
+    doubled = equal_group(units, 2 * group // heads_per_unit)
+    return doubled * heads_per_unit if units % doubled == 0 else group
 
 
 @functools.cache

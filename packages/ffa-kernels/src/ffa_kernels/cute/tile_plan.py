@@ -133,7 +133,8 @@ def build_band_plan(
     tile's end). ``stored_rows_only`` (the forward kernel: it stores, and takes max logits of,
     the rows below a tile's end only): a block's fullness is judged on the rows below
     ``total_rows``, so the grid's last tile, when it holds fewer rows, has full blocks too
-    (causal 8k at D 64, 192-row tiles: 64 masked blocks in that tile, 2 now). Returns (work
+    (causal 8k at D 64, 192-row tiles: 64 masked blocks in that tile, 1 now; the kernel's
+    run-time test of a tile's first block, masking.block_is_full, still counts all 192 rows). Returns (work
     int32 (W, WORK_COLS), entries int32 (E, ENTRY_COLS), total_blocks)."""
     qs, qe, ks, ke, lo, hi = bands
     # rows with at least one covered cell: ks - hi <= q <= ke - 1 - lo
@@ -382,8 +383,9 @@ def get_plan(
     number of keys, ``tile_m`` the key tile and ``tile_n`` the q block; ``deterministic``: its
     q blocks aligned, with `visit_ranks`).
 
-    0. The tensors of a live `ffa_kernels.FlexMask`: its plans live with it (built from its
-       host copy of the slices: no device->host copy even the first time).
+    0. Tensors with a record (`_validate.mask_record`: a live `ffa_kernels.FlexMask`'s, or
+       device ranges a call has checked): the plans live with it (built from its host copy of
+       the slices: no device->host copy even the first time).
     1. Identity cache: the same range tensor objects (same storage, same in-place version
        counter) give the cached plan with no device->host copy and no sync at all.
     2. Content cache: otherwise one small D2H copy of the ranges, keyed by their bytes.
