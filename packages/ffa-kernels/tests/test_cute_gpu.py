@@ -775,3 +775,24 @@ def test_repeated_call_on_device_ranges_never_syncs_and_sees_in_place_writes():
     low, _, _ = oracle(q.detach(), k.detach(), v.detach(), mask, scale, lowprec=True)
     err = (out.detach().double() - ref).abs().max().item()
     assert err <= 2 * (low - ref).abs().max().item() + 1e-3, err
+
+
+def test_inference_mode_with_normalised_ranges():
+    """Under torch.inference_mode the ranges' normalised copies (CPU ranges moved to the GPU, the
+    type map made for None) are inference tensors, which keep no record: the call works, matches
+    the oracle, and a normal call with the same ranges afterwards does too."""
+    from ffa_kernels import flex_flash_attn_func
+
+    torch.manual_seed(11)
+    tq, hq, d = 300, 2, 64
+    q, k, v = (torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qr = torch.tensor([[0, 120], [120, 300]], dtype=torch.int32)  # on the CPU
+    mask = dense_mask([[0, 120], [120, 300]], [[0, 120], [120, 300]], [0, 0], tq, tq, "cuda")
+    ref, _, _ = oracle(q, k, v, mask, d**-0.5)
+    low, _, _ = oracle(q, k, v, mask, d**-0.5, lowprec=True)
+    tol = 2 * (low - ref).abs().max().item() + 1e-3
+    with torch.inference_mode():
+        out, _ = flex_flash_attn_func(q, k, v, qr, qr.clone(), None)
+    assert (out.double() - ref).abs().max().item() <= tol
+    out, _ = flex_flash_attn_func(q, k, v, qr, qr.clone(), None)
+    assert (out.double() - ref).abs().max().item() <= tol
