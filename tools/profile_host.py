@@ -20,10 +20,9 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
-from bench_ffa import case_inputs, make_cases, run_fa4, run_ffa_autograd, training_step
+from bench_ffa import case_inputs, host_us, make_cases, run_fa4, run_ffa_autograd, training_step
 
 
 def host_profile(fn, calls: int, top: int, label: str) -> None:
@@ -49,13 +48,7 @@ def host_us_per_call(fn, calls: int) -> float:
     """Host microseconds per call of ``fn`` over ``calls`` calls, after a warm-up (no sync inside)."""
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
+    return host_us(fn, calls)
 
 
 def breakdown(case, calls: int) -> None:

@@ -57,9 +57,15 @@ def main() -> None:
     ap.add_argument("--lengths", default="", help="bench_ffa's length distributions, comma-separated")
     ap.add_argument("--totals", default="32768,131072", help="as bench_ffa")
     ap.add_argument("--sms", type=int, default=132)
-    ap.add_argument("--fixed", type=float, default=2.0, help="per-CTA setup cost, in blocks")
+    ap.add_argument(
+        "--fixed", type=float, default=None, help="per-CTA setup cost, in blocks (default: the host rule's)"
+    )
     ap.add_argument("--groups", default="1,2,3,4,6,8,12,16")
     args = ap.parse_args()
+    if args.fixed is None:
+        from ffa_kernels.cute.interface import _CTA_SETUP_BLOCKS
+
+        args.fixed = float(_CTA_SETUP_BLOCKS)
     lengths, totals = grid_args(ap, args.lengths, args.totals)
     cpu = torch.device("cpu")
     for case in make_cases(args.cases.split(","), lengths, totals):

@@ -3,7 +3,7 @@
 #   source .dk/bin/env.sh && bash tools/try_wips.sh NAME [NAME ...]
 # 1. the GPU tests of both kernels once, on a scratch tree with every folder's patches applied
 #    (they must apply together);
-# 2. per folder, its benchmark (wip/NAME/bench_args, else try_wip.sh's default) on main and on a
+# 2. per folder, its benchmark (wip_lib.sh's wip_bench) on main and on a
 #    tree with that folder alone, alternating main / folder twice (the device's run-to-run
 #    noise is 3-6%: one pair can mislead). PART=tests or PART=bench runs only part 1 or 2.
 # Logs go to $OUT (or ./gpu_logs).
@@ -23,16 +23,14 @@ if [[ $part == all || $part == tests ]]; then
   (cd "$scratch" && git apply "${all[@]}") || { echo "the folders' patches do not apply together" >&2; exit 2; }
   echo "== GPU tests with every patch of: $*"
   (cd "$scratch" && PYTHONPATH=$(src_path "$scratch") timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    -n 4 packages/ffa-kernels/tests/test_cute_gpu.py packages/ffa-kernels/tests/test_cute_bwd_gpu.py) 2>&1 \
+    -n 4 "${wip_tests[@]}") 2>&1 \
     | filter | tee "$out/wips_tests.log" | tail -8
   ((PIPESTATUS[0])) && rc=1
   rm -rf "$scratch"
 fi
 if [[ $part == all || $part == bench ]]; then
   for name in "$@"; do
-    bench=(bench_ffa.py --bwd --no-flex --iters 10 --rounds 3
-      --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k)
-    [[ -f $root/wip/$name/bench_args ]] && mapfile -t bench <"$root/wip/$name/bench_args"
+    wip_bench "$name"
     tree=$(patched_tree "$name") || exit 2
     for round in 1 2; do
       for side in main "$name"; do

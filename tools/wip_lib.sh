@@ -45,3 +45,17 @@ patched_tree() {
   (cd "$scratch" && git apply "${patches[@]}") || { echo "wip/$folder (${#patches[@]} patches) does not apply" >&2; return 2; }
   echo "$scratch"
 }
+
+# both kernels' GPU tests, and the training-step benchmark of the backward table: what a wip
+# folder is checked with unless wip/NAME/bench_args names its own benchmark (a tools/ script and
+# its arguments, one per line)
+wip_tests=(packages/ffa-kernels/tests/test_cute_gpu.py packages/ffa-kernels/tests/test_cute_bwd_gpu.py)
+wip_default_bench=(bench_ffa.py --bwd --no-flex --iters 10 --rounds 3
+  --cases full8k,causal8k,causal8k_d64,varlen_causal32k,gqa_varlen_causal32k,swa8k)
+
+# wip_bench NAME: the benchmark of wip/NAME into the array ``bench``
+wip_bench() {
+  bench=("${wip_default_bench[@]}")
+  [[ -f $root/wip/$1/bench_args ]] && mapfile -t bench <"$root/wip/$1/bench_args"
+  return 0
+}

@@ -96,8 +96,8 @@ def head_group_size(
     return l2_head_group(total_k * (d + dv) * elem, hq // hk, hq, override)
 
 
-# A CTA's setup, in blocks of its walk (tools/sim_head_groups.py's default), and how much longer
-# than a head group's work per SM its longest work tile may be before the group is doubled.
+# A CTA's setup, in blocks of its walk (also tools/sim_head_groups.py's default), and how much
+# longer than a head group's work per SM its longest work tile may be before it is doubled.
 _CTA_SETUP_BLOCKS = 2
 _TAIL_RATIO = 1.5
 

@@ -220,14 +220,16 @@ def build_plan_cpu(
     bands = slice_bands(q_ranges, k_ranges, attn_type_map)
     if segment_rows is None:
         segment_rows = SEGMENT_ROWS
+
+    def plan(seg: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=seg, stored_rows_only=True)
+
     if segment_rows is not None:
-        return build_band_plan(
-            bands, total_q, tile_m, tile_n, segment_rows=segment_rows, stored_rows_only=True
-        )
-    grid = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=False, stored_rows_only=True)
+        return plan(segment_rows)
+    grid = plan(False)
     if not rows_disjoint(bands[0], bands[1]):
         return grid
-    docs = build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=True, stored_rows_only=True)
+    docs = plan(True)
     return docs if plan_cost(docs) < plan_cost(grid) else grid
 
 
