@@ -58,7 +58,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
-from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2, store_pair_16bit
+from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2
 from .config import STAT_PAD, BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -188,6 +188,17 @@ class FFABackwardSm90:
         tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_wg_layout, (dq_rows, dq_cols)
         )
+        if cutlass.const_expr(self.dkv_store):
+            # dK / dV leave through K's and V's shared buffers, one TMA store each (epilogue_dkv)
+            mdKt, mdVt = (
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mdK, mdV)
+            )
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(s2g, mdKt, sK_layout, (self.tile_n, D))
+            tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(s2g, mdVt, sV_layout, (self.tile_n, D))
+        else:
+            # added with atomics from registers: the descriptors are never used
+            tma_atom_dk, tma_dk, tma_atom_dv, tma_dv = tma_atom_k, mdK, tma_atom_v, mdV
         elem_bytes = self.dtype.width // 8
         self.bytes_q = self.tile_m * D * elem_bytes
         # lse2 / delta of a block ride its Q / dO transaction (one bulk copy each, see producer)
@@ -198,7 +209,7 @@ class FFABackwardSm90:
 
         self.kernel(
             tma_q, tma_do, tma_k, tma_v, tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_dq, tma_atom_dq,
-            mLSE2, mDelta, mdK, mdV, mWork, mEnt, mRanks, mSem, mSemKV,
+            tma_dk, tma_atom_dk, tma_dv, tma_atom_dv, mLSE2, mDelta, mdK, mdV, mWork, mEnt, mRanks, mSem, mSemKV,
             sQ_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             scale_log2, score_premul, grad_scale, dv_scale, num_heads_q // num_heads_k, heads_per_cta, num_work,
             num_heads_q // heads_per_cta, flags, SharedStorage,
@@ -272,6 +283,10 @@ class FFABackwardSm90:
         tma_atom_v: cute.CopyAtom,
         tma_dq: cute.Tensor,
         tma_atom_dq: cute.CopyAtom,
+        tma_dk: cute.Tensor,
+        tma_atom_dk: cute.CopyAtom,
+        tma_dv: cute.Tensor,
+        tma_atom_dv: cute.CopyAtom,
         mLSE2: cute.Tensor,
         mDelta: cute.Tensor,
         mdK: cute.Tensor,
@@ -306,6 +321,9 @@ class FFABackwardSm90:
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_dq):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.dkv_store):
+                cpasync.prefetch_descriptor(tma_atom_dk)
+                cpasync.prefetch_descriptor(tma_atom_dv)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -352,7 +370,8 @@ class FFABackwardSm90:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
             self.consumer(
                 tidx - 128, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq,
+                (tma_dk, tma_atom_dk, tma_dv, tma_atom_dv), sLSE2, sDelta, mdK, mdV, mEnt,
                 n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
                 dkv_turn,
             )  # fmt: skip
@@ -414,7 +433,7 @@ class FFABackwardSm90:
     @cute.jit
     def consumer(
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
-        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, sLSE2, sDelta, mdK, mdV, mEnt,
+        tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, tma_dkv, sLSE2, sDelta, mdK, mdV, mEnt,
         n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
                 dkv_turn,
     ):  # fmt: skip
@@ -506,7 +525,13 @@ class FFABackwardSm90:
                 while load_acquire_i32(dkv_sem) != dkv_turn:
                     pass
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
-        self.epilogue_dkv(ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale)
+        if cutlass.const_expr(self.dkv_store):
+            self.epilogue_dkv_store(ctid, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dkv, n0, head_kv, grad_scale,
+                                    dv_scale)  # fmt: skip
+        else:
+            self.epilogue_dkv(
+                ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale
+            )
         if cutlass.const_expr(self.deterministic and not self.dkv_store):
             # every consumer's adds precede the barrier, which precedes the release
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
@@ -701,11 +726,57 @@ class FFABackwardSm90:
         cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
+    def epilogue_dkv_store(
+        self, ctid, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dkv, n0, head_kv, grad_scale, dv_scale
+    ):
+        """``dkv_store``: this tile's rows of dk / dv (the CTA is their one writer) in q's dtype,
+        through K's and V's shared buffers and one TMA store each (rows past Tk clipped by the
+        TMA unit). Stores from registers took 64 4-byte stores per thread that the CTA's exit
+        waited on; short walks (a sliding window: about 15 q blocks per key tile) felt them."""
+        cfg = self.cfg
+        consumers = cfg.num_mma_wg * 128
+        tma_dk, tma_atom_dk, tma_dv, tma_atom_dv = tma_dkv
+        # every warpgroup's last dQ GEMM (dS K) read all of sK: all of them are done before any
+        # overwrites it (S^T and dP^T read only the warpgroup's own rows of sK and sV)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        thr_store = cute.make_tiled_copy_C(store_atom, tiled_mma_dkv).get_slice(ctid)
+        self.stage_rows(acc_dK, grad_scale, sK, store_atom, thr_store)
+        self.stage_rows(acc_dV, dv_scale, sV, store_atom, thr_store)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
+        if ctid < 32:
+            self.tma_store_tile(tma_atom_dk, tma_dk, sK, n0, head_kv)
+            self.tma_store_tile(tma_atom_dv, tma_dv, sV, n0, head_kv)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def stage_rows(self, acc, scale, s_buf, store_atom, thr_store):
+        """``acc`` times ``scale`` in q's dtype into ``s_buf`` (this thread's fragment)."""
+        r = cute.make_rmem_tensor_like(acc, self.dtype)
+        r.store((acc.load() * scale).to(self.dtype))
+        cute.copy(store_atom, thr_store.retile(r), thr_store.partition_D(s_buf))
+
+    @cute.jit
+    def tma_store_tile(self, tma_atom, tma_t, s_buf, n0, head_kv):
+        """One TMA store of ``s_buf`` (tile_n, D) to rows n0.. of head ``head_kv`` of ``tma_t``."""
+        g = cute.local_tile(
+            cute.domain_offset((n0, 0), tma_t[None, None, head_kv]), (self.tile_n, self.hdim), (0, 0)
+        )
+        s_part, g_part = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(s_buf, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        cute.copy(tma_atom, s_part, g_part)
+
+    @cute.jit
     def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale):
-        """The rows of this tile of dk / dv = (``dkv_store``) or += the register accumulators (dK
-        times ``grad_scale``, dV times ``dv_scale``: the scale folded into P, see the module
-        docstring). Added: other CTAs (other q heads of the GQA group) may add to the
-        same rows, so the adds are atomic."""
+        """The rows of this tile of dk / dv += the register accumulators (dK times
+        ``grad_scale``, dV times ``dv_scale``: the scale folded into P, see the module
+        docstring), in float32: other CTAs (other q heads of the GQA group) may add to the same
+        rows, so the adds are atomic. (``dkv_store``: `epilogue_dkv_store`.)"""
         thr_dkv = tiled_mma_dkv.get_slice(ctid)
         cdKV = acc_rows_cols(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim))))
         dk = acc_rows_cols(acc_dK)
@@ -724,10 +795,5 @@ class FFABackwardSm90:
                     dk1 = dk[r, c + 1] * grad_scale
                     dv0 = dv[r, c] * dv_scale
                     dv1 = dv[r, c + 1] * dv_scale
-                    if cutlass.const_expr(self.dkv_store):
-                        is_bf16 = self.dtype == cutlass.BFloat16
-                        store_pair_16bit(base_k + off + col, dk0, dk1, is_bf16)
-                        store_pair_16bit(base_v + off + col, dv0, dv1, is_bf16)
-                    else:
-                        red_add_f32x2(base_k + off + col, dk0, dk1)
-                        red_add_f32x2(base_v + off + col, dv0, dv1)
+                    red_add_f32x2(base_k + off + col, dk0, dk1)
+                    red_add_f32x2(base_v + off + col, dv0, dv1)
