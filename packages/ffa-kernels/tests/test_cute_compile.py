@@ -23,11 +23,13 @@ def dense_mask(q_ranges, k_ranges, types, tq, tk):
 
 def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
     """Replay the kernel's block loop and band masks; returns how often each cell is counted
-    (rows from a work tile's m_end on are computed but never stored: not counted, no mask
-    needed there).
+    (rows from a work tile's m_end on are computed but not owned: not counted).
 
     every_tile: the forward plan has a work tile for every row tile, and those tiles partition
-    the rows (the backward's drops the empty ones and launches only tiles with blocks)."""
+    the rows; in its unmasked blocks the rows it stores must be covered. Otherwise (the
+    backward's plan: empty key tiles dropped, only tiles with blocks launched) an unmasked block
+    must be covered on all its rows below tq, since rows past a tile's end are other keys whose
+    scores would reach dQ; its tiles own disjoint rows (grid or per-document key tiles)."""
     cov = torch.zeros(tq, tk, dtype=torch.int32)
     tiles = []
     for m0, e0, e1, nb, m_end in work.tolist():
@@ -47,6 +49,9 @@ def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
                 keep &= (rows < m_end) & (cols < tk) & (cols >= 0)
                 if jf_lo <= j < jf_hi:  # planned as unmasked: every stored cell must be covered
                     assert bool(keep[: m_end - m0].all()), (m0, e, j)
+                    if not every_tile:  # and in the backward every computed one (rows below tq)
+                        band = (cols >= ks) & (cols < ke) & (rows >= qs) & (rows < qe) & (d >= lo) & (d <= hi)
+                        assert bool(band[: min(tile_m, tq - m0)].all()), (m0, e, j)
                 r, c = torch.nonzero(keep, as_tuple=True)
                 cov[rows[r, 0], cols[0, c]] += 1
         assert total == nb
@@ -56,8 +61,8 @@ def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
         assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:])), "the work tiles partition the rows"
     else:
         assert bool((work[:, 3] > 0).all()), "a work tile with no block is not launched"
-        assert all(m0 % tile_m == 0 for m0, _ in tiles), "key tiles lie on the tile grid"
-        assert len({m0 for m0, _ in tiles}) == work.shape[0], "one work tile per row tile"
+        tiles.sort()
+        assert all(a[1] <= b[0] for a, b in zip(tiles, tiles[1:])), "work tiles own disjoint rows"
     return cov
 
 
@@ -162,6 +167,36 @@ def test_plan_covers_mask_exactly(seed, tiles, backward):
     assert torch.equal(cov, dense_mask(qr, kr, ty, tq, tk))
     # longest first
     assert torch.all(work[:-1, 3] >= work[1:, 3])
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tiles", [(128, 80), (128, 64)])
+def test_bwd_segment_key_tiles(seed, causal, tiles):
+    """The backward's plan with per-document key tiles: key tiles start at every document's
+    first key and stop at its last (work column 4), cover the mask exactly, and run a block
+    unmasked only where every computed key of the tile (past a tile's end: the next document's)
+    is covered; the default takes them where they plan fewer blocks."""
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu, plan_cost
+
+    tile_n, tile_m = tiles
+    rng = random.Random(700 + seed)
+    tk = rng.randrange(200, 3000)
+    cuts = sorted(rng.sample(range(1, tk), rng.randrange(1, 12)))
+    bounds = [0, *cuts, tk]
+    docs = [[a, b] for a, b in zip(bounds[:-1], bounds[1:]) if rng.random() < 0.8] or [[0, tk]]
+    ty = [1 if causal else 0] * len(docs)
+    ranges = (torch.tensor(docs), torch.tensor(docs), torch.tensor(ty))
+    seg = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m, segment_rows=True)
+    work, ent, _ = seg
+    cov = simulate_plan(work, ent, tk, tk, tile_n, tile_m, every_tile=False).T
+    assert torch.equal(cov, dense_mask(docs, docs, ty, tk, tk))
+    starts = set(work[:, 0].tolist())
+    assert all(a in starts for a, _ in docs), "a key tile starts at every document's first key"
+    grid = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m, segment_rows=False)
+    chosen = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m)
+    best = seg if plan_cost(seg) < plan_cost(grid) else grid
+    assert torch.equal(chosen[0], best[0]) and torch.equal(chosen[1], best[1])
 
 
 def test_plan_shared_q_rows_and_types():

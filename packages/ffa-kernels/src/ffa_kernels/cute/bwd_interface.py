@@ -494,8 +494,9 @@ def cute_backward(
         )
     dq = torch.zeros(q.shape, dtype=torch.float32, device=dev)
     if split == hq // hk:
-        # every K/V row has one writer: stored in q's dtype; tiles without work are never written
-        alloc = torch.empty if plan.num_work == -(-total_k // cfg.tile_n) else torch.zeros
+        # every K/V row has one writer: stored in q's dtype; rows no work tile owns (key tiles
+        # without work, gaps between documents' key tiles) are never written: zeros then
+        alloc = torch.empty if plan.rows_owned == total_k else torch.zeros
         dk = alloc(k.shape, dtype=q.dtype, device=dev)
         dv = alloc(v.shape, dtype=q.dtype, device=dev)
         assert _pointers_16bit_pairs(dk) and _pointers_16bit_pairs(dv)

@@ -58,7 +58,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
-from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2
+from .atomics import add_release_i32, load_acquire_i32, red_add_f32x2, store_pair_16bit
 from .config import STAT_PAD, BwdConfig
 from .masking import apply_band_mask, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -348,6 +348,7 @@ class FFABackwardSm90:
         n0 = mWork[w, 0]
         e0 = mWork[w, 1]
         e1 = mWork[w, 2]
+        n_stop = mWork[w, 4]  # keys n0 .. n_stop - 1 are this tile's (tile_plan: segment key tiles)
         head0 = slot * heads_per_cta
         head_kv = head0 // qhead_per_kvhead
         # deterministic, dK/dV added: the head slots of a K/V head add in slot (= CTA) order
@@ -373,7 +374,7 @@ class FFABackwardSm90:
                 tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq,
                 (tma_dk, tma_atom_dk, tma_dv, tma_atom_dv), sLSE2, sDelta, mdK, mdV, mEnt,
                 n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
-                dkv_turn,
+                dkv_turn, n_stop,
             )  # fmt: skip
 
     @cute.jit
@@ -435,7 +436,7 @@ class FFABackwardSm90:
         self, ctid, sQ, sdO, sK, sV, sdS, sdQ, pipe_kv, pipe_q, pipe_do,
         tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_dq, tma_atom_dq, tma_dkv, sLSE2, sDelta, mdK, mdV, mEnt,
         n0, e0, e1, head0, heads_per_cta, head_kv, scale_log2, score_premul, grad_scale, dv_scale, dkv_sem,
-                dkv_turn,
+                dkv_turn, n_stop,
     ):  # fmt: skip
         cfg = self.cfg
         D = self.hdim
@@ -526,11 +527,19 @@ class FFABackwardSm90:
                     pass
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=consumers)
         if cutlass.const_expr(self.dkv_store):
-            self.epilogue_dkv_store(ctid, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dkv, n0, head_kv, grad_scale,
-                                    dv_scale)  # fmt: skip
+            # a segment tile (work column 4 stops it before the grid's tile end) shares its last
+            # rows with the next document's tile: a whole-tile TMA store would overwrite them
+            whole_tile = n_stop >= cutlass.min(n0 + self.tile_n, mdK.shape[0])
+            if whole_tile:
+                self.epilogue_dkv_store(ctid, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dkv, n0, head_kv,
+                                        grad_scale, dv_scale)  # fmt: skip
+            else:
+                self.epilogue_dkv(
+                    ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, n_stop, head_kv, grad_scale, dv_scale
+                )
         else:
             self.epilogue_dkv(
-                ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale
+                ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, n_stop, head_kv, grad_scale, dv_scale
             )
         if cutlass.const_expr(self.deterministic and not self.dkv_store):
             # every consumer's adds precede the barrier, which precedes the release
@@ -772,22 +781,24 @@ class FFABackwardSm90:
         cute.copy(tma_atom, s_part, g_part)
 
     @cute.jit
-    def epilogue_dkv(self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, head_kv, grad_scale, dv_scale):
-        """The rows of this tile of dk / dv += the register accumulators (dK times
-        ``grad_scale``, dV times ``dv_scale``: the scale folded into P, see the module
-        docstring), in float32: other CTAs (other q heads of the GQA group) may add to the same
-        rows, so the adds are atomic. (``dkv_store``: `epilogue_dkv_store`.)"""
+    def epilogue_dkv(
+        self, ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, n_stop, head_kv, grad_scale, dv_scale
+    ):
+        """Rows n0 .. n_stop - 1 of dk / dv from the register accumulators (dK times
+        ``grad_scale``, dV times ``dv_scale``: the scale folded into P, see the module docstring):
+        stored in q's dtype with ``dkv_store`` (a segment tile's; whole tiles go through
+        `epilogue_dkv_store`), else added in float32: other CTAs (other q heads of the GQA
+        group) may add to the same rows, so the adds are atomic."""
         thr_dkv = tiled_mma_dkv.get_slice(ctid)
         cdKV = acc_rows_cols(thr_dkv.partition_C(cute.make_identity_tensor((self.tile_n, self.hdim))))
         dk = acc_rows_cols(acc_dK)
         dv = acc_rows_cols(acc_dV)
-        total_k = mdK.shape[0]
         row_stride = mdK.stride[0]
         base_k = mdK.iterator + cute.crd2idx((0, head_kv, 0), mdK.layout)
         base_v = mdV.iterator + cute.crd2idx((0, head_kv, 0), mdV.layout)
         for r in cutlass.range_constexpr(cute.size(dk, mode=[0])):
             row = n0 + cdKV[r, 0][0]
-            if row < total_k:
+            if row < n_stop:  # the tile's own keys: a segment tile stops early (<= Tk)
                 off = cutlass.Int64(row) * row_stride
                 for c in cutlass.range_constexpr(0, cute.size(dk, mode=[1]), 2):
                     col = cdKV[r, c][1]
@@ -795,5 +806,10 @@ class FFABackwardSm90:
                     dk1 = dk[r, c + 1] * grad_scale
                     dv0 = dv[r, c] * dv_scale
                     dv1 = dv[r, c + 1] * dv_scale
-                    red_add_f32x2(base_k + off + col, dk0, dk1)
-                    red_add_f32x2(base_v + off + col, dv0, dv1)
+                    if cutlass.const_expr(self.dkv_store):
+                        is_bf16 = self.dtype == cutlass.BFloat16
+                        store_pair_16bit(base_k + off + col, dk0, dk1, is_bf16)
+                        store_pair_16bit(base_v + off + col, dv0, dv1, is_bf16)
+                    else:
+                        red_add_f32x2(base_k + off + col, dk0, dk1)
+                        red_add_f32x2(base_v + off + col, dv0, dv1)
