@@ -73,6 +73,56 @@ def test_native_backend_in_fake_world(world, fused, handshake):
     assert (fw.reduces > 0) == fused, fw.reduces  # the fused kernel runs exactly when enabled
 
 
+def _layout_over(world: int, rows: int):
+    """A random layout (seeded) whose busiest pair of ranks moves more than ``rows`` rows."""
+    for seed in range(100):
+        lay = lib.random_layout(random.Random(seed), world, max_splits=3, max_size=120)
+        plans = [build_reduce_plan(*lay.reduce_args(r), r, world) for r in range(world)]
+        most = max(n for p in plans for c, n in enumerate(p.send_counts) if c != p.rank)
+        if most > rows:
+            return lay, plans, most
+    raise AssertionError("no layout drawn")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reserve_rows_grows_the_buffer_to_one_round(world):
+    """A reduce that moves more rows between two ranks than the 1 MiB buffer's regions hold is
+    not fused on some rank (rounds: the staged path); after ``reserve_rows`` with the layout's
+    most rows per pair (every rank, same arguments) every rank's call is one round and fused.
+    A smaller need, or one past half of the symmetric heap, leaves the buffer as it is. The
+    reduce's results against the oracle after the growth."""
+    from magi_comm.backends.native.layout import region_rows
+
+    fw = native_fake.FakeWorld(world)
+    mib, row = 1 << 20, (2048,)  # float32 rows of 8 KiB: 1 MiB holds 127 (2 ranks) or 63 per peer
+    rb = 8 << 10
+    lay, plans, most = _layout_over(world, region_rows(mib, world, (rb,)))
+    case = {"layout": lay, "seed": 5, "row_shape": row, "async": False, "kind": "reduce", "op": "sum"}
+    case.update(acc=True, pull=False, dtype="float32")
+    seen = {}
+
+    def rank_fn(rank):
+        cfg = NativeConfig(buffer_bytes=mib, fused_reduce=True)
+        with NativeBackend("group", rank, world, cfg) as be:
+            probe = torch.empty((1, *row))
+            fused_before = be._reduce.fused_rows(plans[rank], probe, rb, "sum")
+            be.reserve_rows(most, rb)
+            cap = be.capacity
+            be.reserve_rows(most // 2, rb)  # already room
+            be.reserve_rows(most, be._rt.heap_bytes)  # far past half the heap: refused, kept
+            fused_after = be._reduce.fused_rows(plans[rank], probe, rb, "sum")
+            native_cases.run(be, case, rank, world)
+            seen[rank] = (fused_before, fused_after, cap, be.capacity)
+        native.shutdown()
+
+    reduces = fw.reduces
+    native_fake.run_ranks(fw, rank_fn)
+    assert any(before == 0 for before, *_ in seen.values()), seen  # some rank needed rounds
+    for rank, (_, after, cap, now) in seen.items():
+        assert after >= most and cap > mib and now == cap, (rank, seen[rank])
+    assert fw.reduces - reduces >= world  # every rank's call ran the fused reduction
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_receive_steps_take_rows_as_they_arrive(world):
     """Overlap with chunks of one block: the send kernels report every block of pairs that

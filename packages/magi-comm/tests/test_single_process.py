@@ -309,6 +309,37 @@ def test_empty_output_falls_back_to_plain_tensors():
     assert calls == [("empty", (4,), torch.int8), ("free", (4,))]
 
 
+def test_reserve_rows_reaches_backends_that_have_it():
+    """a2av has nothing to reserve; a backend with ``reserve_rows`` gets the call (none for
+    zero rows or bytes); bad arguments are named before any backend sees them."""
+    with GroupCollective() as gc:
+        gc.reserve_rows(1000, 4096)  # a2av: no buffer, nothing happens
+    calls = []
+
+    class WithBuffer:
+        name = "with-buffer"
+
+        def __init__(self, group, rank, world_size):
+            pass
+
+        def reserve_rows(self, rows_per_peer, row_bytes):
+            calls.append((rows_per_peer, row_bytes))
+
+        def close(self):
+            pass
+
+    magi_comm.register_backend("with-buffer-test", WithBuffer)
+    with GroupCollective(backend="with-buffer-test") as gc:
+        gc.reserve_rows(7, 256)
+        gc.reserve_rows(0, 256)
+        gc.reserve_rows(7, 0)
+        for bad in ((-1, 8), (3, 2.5), (True, 8)):
+            name = "row_bytes" if bad[0] == 3 else "rows_per_peer"
+            with pytest.raises(ValueError, match=name):
+                gc.reserve_rows(*bad)
+    assert calls == [(7, 256)]
+
+
 def test_default_instance_is_shared_and_replaced_after_close():
     a = magi_comm.get_group_collective()
     assert magi_comm.get_group_collective(None, "a2av") is a

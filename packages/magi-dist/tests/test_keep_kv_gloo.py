@@ -144,11 +144,25 @@ def test_split_backward_matches_single_process():
 
 
 @pytest.mark.parametrize(
-    "name, read, bad", [("MAGI_DIST_KEEP_KV", "keep_kv", "yes"), ("MAGI_DIST_BWD_SPLIT", "bwd_split", "on")]
+    "name, read, args, bad",
+    [("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"), ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on")],
 )
-def test_a_bad_switch_value_is_named(monkeypatch, name, read, bad):
+def test_a_bad_switch_value_is_named(monkeypatch, name, read, args, bad):
     import magi_dist.attn as attn
 
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=name):
-        getattr(attn, read)()
+        getattr(attn, read)(*args)
+
+
+@pytest.mark.parametrize(
+    "value, cp, split", [(None, 2, False), (None, 4, True), (None, 8, True), ("0", 8, False), ("1", 2, True)]
+)
+def test_the_backward_splits_from_cp_4_unless_told(monkeypatch, value, cp, split):
+    import magi_dist.attn as attn
+
+    if value is None:
+        monkeypatch.delenv("MAGI_DIST_BWD_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("MAGI_DIST_BWD_SPLIT", value)
+    assert attn.bwd_split(cp) is split

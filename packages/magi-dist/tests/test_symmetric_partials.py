@@ -200,6 +200,7 @@ class _FakeCollective:
 
     def __init__(self, symmetric=True):
         self.calls: list[tuple] = []
+        self.reserved: list[tuple[int, int]] = []  # reserve_rows arguments, in call order
         self.symmetric_outputs = symmetric
         self.group = object()
         self.closed = False
@@ -211,6 +212,9 @@ class _FakeCollective:
     def free_output(self, t):
         self.calls.append(("free", tuple(t.shape)))
 
+    def reserve_rows(self, rows_per_peer, row_bytes):
+        self.reserved.append((rows_per_peer, row_bytes))
+
 
 class _Rt:
     group = None  # get_group_collective is replaced by the test
@@ -221,6 +225,9 @@ class _Rt:
 
     def partial_rows(self):
         return self.rows
+
+    def max_pair_rows(self):
+        return max(self.rows) // 2 + 1  # any value the plan could give: passed on as it is
 
 
 def test_pool_grows_by_the_largest_rank_within_the_budget(monkeypatch):
@@ -263,6 +270,29 @@ def test_plain_partials_without_symmetric_outputs_or_budget(monkeypatch):
         p = partials.Partials.take(_Rt([5], [9]), (2, 1, 4), torch.float64, torch.device("cpu"))
         t = p.zeros(0, 5)
         assert not p.symmetric(0) and gc.calls == [] and t.eq(0).all() and t.shape == (5, 2, 1, 4)
+        # room for the reduces reserved whatever the partials are: the plan's most rows between
+        # two ranks, of 8 float64 (64 bytes)
+        assert gc.reserved == [(9 // 2 + 1, 64)]
+
+
+def test_max_pair_rows_is_the_plan_s_most_between_two_ranks():
+    """The most rows one rank receives from one peer in one stage (so sends back in the
+    reduce), counted here from the senders' side of the casts (input splits and their
+    destinations), where the runtime counts the receivers': the same from every rank's runtime."""
+    for mask, world in ((LOPSIDED, 3), (VARLEN, 2), (VARLEN, 3)):
+        for degree in (0, 1, 2):
+            rts = [_runtime(mask, world, r, degree, None) for r in range(world)]
+            ranks = rts[0].plan.ranks
+            want = 0
+            for stage in range(len(ranks[0].comm.stages)):
+                for src, rp in enumerate(ranks):
+                    a = rp.comm.stages[stage]
+                    for dst in range(world):
+                        if dst != src:
+                            sent = sum(n for n, d in zip(a.input_split_sizes, a.dst_indices) if dst in d)
+                            want = max(want, sent)
+            assert [rt.max_pair_rows() for rt in rts] == [want] * world, (degree, world)
+            assert want > 0
 
 
 def test_free_partials_frees_the_group_pool_once(monkeypatch):

@@ -240,6 +240,23 @@ class GroupCollective:
         if free is not None:
             free(tensor)
 
+    def reserve_rows(self, rows_per_peer: int, row_bytes: int) -> None:
+        """Collective (every rank, the same arguments): let one call move up to
+        ``rows_per_peer`` rows of ``row_bytes`` bytes between any two ranks in one round.
+
+        The native backend grows its symmetric receive buffer where its per-peer regions hold
+        fewer rows (a call that needs more rounds moves them one region at a time, and a
+        group_reduce then leaves the fused reduction for its staged path); the growth is a
+        collective, so ranks passing different values may hang. Backends without such a buffer
+        (a2av) have nothing to reserve. Nothing shrinks: a smaller need keeps the buffer.
+        """
+        for name, value in (("rows_per_peer", rows_per_peer), ("row_bytes", row_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"reserve_rows: {name} must be an int >= 0, got {value!r}")
+        reserve = getattr(self._require_backend(), "reserve_rows", None)
+        if reserve is not None and rows_per_peer and row_bytes:
+            reserve(rows_per_peer, row_bytes)
+
     # ---- plans -----------------------------------------------------------------------------
 
     def _plan(self, kind: str, builder, in_sizes, out_sizes, dst, src, dst_nested: bool, rows=(None, None)):

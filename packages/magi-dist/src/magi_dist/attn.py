@@ -8,9 +8,9 @@ saved out/lse, re-casts each stage's K/V, computes dq locally and group-reduces 
 partial dK/dV to their owners while the next stage computes. With ``MAGI_DIST_KEEP_KV=1`` (the
 same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows for the backward,
 which then casts nothing: one collective less per step, for the memory of those rows. With
-``MAGI_DIST_BWD_SPLIT=1`` the degree-0 backward computes the remote keys' part first, starts
-their dK/dV reduce, and computes the local keys' part while it travels (two kernel calls
-instead of one; the same collectives).
+``MAGI_DIST_BWD_SPLIT=1`` (the default from cp 4 on) the degree-0 backward computes the remote
+keys' part first, starts their dK/dV reduce, and computes the local keys' part while it travels
+(two kernel calls instead of one; the same collectives).
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -56,8 +56,8 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return value
 
 
-def _flag(name: str) -> bool:
-    return _env_choice(name, ("0", "1"), "0") == "1"
+def _flag(name: str, default: bool = False) -> bool:
+    return _env_choice(name, ("0", "1"), "1" if default else "0") == "1"
 
 
 def dsink_reduce() -> str:
@@ -66,11 +66,17 @@ def dsink_reduce() -> str:
     return _env_choice(ENV_DSINK_REDUCE, _DSINK_OPS, "none")
 
 
-def bwd_split() -> bool:
+# cp sizes from which the degree-0 backward is split by default: cp 4 varlen causal / full 64k
+# step +3% / +12% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (docs/perf.md)
+BWD_SPLIT_MIN_CP = 4
+
+
+def bwd_split(cp_size: int) -> bool:
     """``$MAGI_DIST_BWD_SPLIT`` (read at each backward; ranks may differ, as it changes no
     collective): ``1`` splits the degree-0 backward by keys so that the remote rows' dK/dV
-    reduce overlaps the local keys' kernel."""
-    return _flag(ENV_BWD_SPLIT)
+    reduce overlaps the local keys' kernel; unset: split from ``BWD_SPLIT_MIN_CP`` ranks on,
+    where the reduce moves more of a step than at cp 2."""
+    return _flag(ENV_BWD_SPLIT, default=cp_size >= BWD_SPLIT_MIN_CP)
 
 
 def keep_kv() -> bool:
@@ -262,7 +268,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     ``kept``: None (degree 0 casts the K/V rows again), or the forward's packed ``[local; remote]``
     K/V rows (`keep_kv`; an empty tensor on a rank whose forward had none: it computes nothing
     here, and casts nothing either, as no rank does then)."""
-    split = bwd_split()  # read (and a bad value raised) before any collective
+    split = bwd_split(rt.plan.cp_size)  # read (and a bad value raised) before any collective
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)

@@ -156,12 +156,16 @@ class Partials:
         alike; see the module docstring), else plain tensors."""
         parts = cls(row_shape, dtype, device)
         gc = get_group_collective(rt.group)
+        rb = torch.Size(row_shape).numel() * dtype.itemsize
+        # room for the reduces' rows from any one rank in one round (the plan's most, the same
+        # on every rank): the native backend's fused reduction takes only one-round calls, and
+        # its staged path cost cp 4 varlen causal 64k ~0.9 ms of a 12.3 ms step (docs/perf.md)
+        gc.reserve_rows(rt.max_pair_rows(), rb)
         if not gc.symmetric_outputs:  # a2av: plain tensors, nothing else read or done
             return parts
         budget = symmetric_budget()
         if not budget:
             return parts
-        rb = torch.Size(row_shape).numel() * dtype.itemsize
         most = rt.partial_rows()  # not this rank's rows: every rank must decide alike
         pool = parts._pool = _pool(gc)
         if pool.event is not None:  # the last call's stream is done with the slots

@@ -120,6 +120,23 @@ class DistAttnRuntime:
 
         return self._cached("partial_rows", None, make)
 
+    def max_pair_rows(self) -> int:
+        """The most K/V rows any one rank receives from any one peer in one stage's group-cast
+        (so also the most partial ``[dK, dV]`` rows it sends back to one owner in a
+        group-reduce). The same on every rank (every rank holds the same plan)."""
+
+        def make() -> int:
+            most = 0
+            for rp in self.plan.ranks:
+                for a in rp.comm.stages:
+                    per_src: dict[int, int] = {}
+                    for n, src in zip(a.output_split_sizes, a.src_index):
+                        per_src[src] = per_src.get(src, 0) + n
+                    most = max(most, *per_src.values(), 0)
+            return most
+
+        return self._cached("max_pair_rows", None, make)
+
     def comm_device(self) -> torch.device:
         """Device of tensors the group's backend moves (CUDA for NCCL, CPU otherwise)."""
         if dist.get_backend(self.group) == "nccl":

@@ -6,6 +6,7 @@ in :mod:`.transport`. Design: ``packages/magi-comm/docs/native.md``.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -13,16 +14,19 @@ import torch
 from ..._plan import CastPlan, ReducePlan
 from ...work import GroupCollectiveWork
 from .cast_path import CastPath
-from .config import NativeConfig, unavailable
+from .config import ENV_BUFFER_MB, NativeConfig, unavailable
 from .group_state import GroupState
 from .launches import Launches
-from .layout import MAX_PEERS, row_bytes
+from .layout import MAX_PEERS, bytes_needed, grown_capacity, row_bytes
 from .platform import CudaPlatform, process_platform
 from .reduce_path import ReducePath
 from .runtime import Runtime
 from .transport import Transport
 
 __all__ = ["NativeBackend"]
+
+
+logger = logging.getLogger(__name__)
 
 
 class _EventWork:
@@ -84,6 +88,7 @@ class NativeBackend:
         transport = Transport(state, self.config, launches, kernels)
         self._cast = CastPath(state, transport)
         self._reduce = ReducePath(state, self.config, launches, transport, kernels)
+        self._refused: set[tuple[int, int]] = set()  # reserve_rows needs logged as too large
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -172,6 +177,32 @@ class NativeBackend:
         st = self._require()
         if nbytes > st.capacity:
             st.grow(nbytes)
+
+    def reserve_rows(self, rows_per_peer: int, row_bytes: int) -> None:
+        """Collective: regions of at least ``rows_per_peer`` rows of ``row_bytes`` bytes (one
+        round for calls that move no more between two ranks; see
+        :meth:`magi_comm.GroupCollective.reserve_rows`)."""
+        st = self._require()
+        needed = bytes_needed(self.world_size, (row_bytes,), rows_per_peer)
+        if needed <= st.capacity:
+            return
+        # the heap also holds the symmetric outputs and signals, and a grown buffer is allocated
+        # before the old one is gone from NVSHMEM's view of fragmentation: keep to half of it
+        if grown_capacity(st.capacity, needed, factor=self.config.growth_factor) > st.rt.heap_bytes // 2:
+            if (rows_per_peer, row_bytes) not in self._refused:
+                self._refused.add((rows_per_peer, row_bytes))
+                logger.info(
+                    "magi_comm native: %d rows of %d bytes per peer would need a receive buffer of "
+                    "%.0f MiB, over half of the %.0f MiB symmetric heap: such calls move in rounds "
+                    "(a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
+                    rows_per_peer,
+                    row_bytes,
+                    needed / (1 << 20),
+                    st.rt.heap_bytes / (1 << 20),
+                    ENV_BUFFER_MB,
+                )
+            return
+        st.grow(needed)
 
     @property
     def capacity(self) -> int:

@@ -8,6 +8,7 @@ backend owns the runtime and another group is refused. ``packages/magi-comm/docs
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +34,23 @@ class Runtime:
         device: CUDA ordinal of this process's GPU.
         nvc, nvb: ``nvshmem.core`` and ``nvshmem.bindings``.
         states: the group's shared state (at most one entry: the members), while backends use it.
+        heap_bytes: the symmetric heap's size (``$NVSHMEM_SYMMETRIC_SIZE`` when it is a plain
+            number of bytes, else what this runtime asked for): the receive buffer's growth
+            stays within half of it (``NativeBackend.reserve_rows``).
     """
 
     def __init__(
-        self, platform, members: tuple[int, ...], rank: int, world: int, device: int, nvc, nvb
+        self,
+        platform,
+        members: tuple[int, ...],
+        rank: int,
+        world: int,
+        device: int,
+        nvc,
+        nvb,
+        heap_bytes: int = 1 << 30,
     ) -> None:
+        self.heap_bytes = heap_bytes
         self.platform = platform
         self.members = members
         self.rank = rank
@@ -82,7 +95,9 @@ class Runtime:
                     f"magi_comm native: NVSHMEM PE {nvc.my_pe()}/{nvc.n_pes()} != group rank {rank}/{world}"
                 )
             logger.info("magi_comm native: NVSHMEM %s initialized, PE %d/%d", nvc.get_version(), rank, world)
-            rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb)
+            raw = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "").strip()
+            heap = int(raw) if raw.isdigit() else heap  # NVSHMEM's own forms ("2G"): ours stands
+            rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
             return rt
 
 
