@@ -67,7 +67,7 @@ def dsink_reduce() -> str:
 
 
 # cp sizes from which the degree-0 backward is split by default: cp 4 varlen causal / full 64k
-# step +3% / +12% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (docs/perf.md)
+# step +1% / +14% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (docs/perf.md)
 BWD_SPLIT_MIN_CP = 4
 
 
