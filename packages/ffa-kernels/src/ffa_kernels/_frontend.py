@@ -27,7 +27,7 @@ from ._flex_mask import FlexMask
 from ._merge import merge_finite_lse_
 from ._once_differentiable import once_differentiable
 from ._sink import apply_sink, sink_backward
-from ._types import AttnForwardMeta
+from ._types import AttnForwardMeta, as_dtype
 from ._validate import (
     ValidatedAttnArgs,
     accumulator_dtype,
@@ -244,12 +244,11 @@ def _run_forward(
     q = args.q
     if max_logits is None:
         max_logits = torch.empty(0, dtype=torch.float32, device=q.device)
-    return _as(out, q.dtype), _as(lse, accumulator_dtype(q.dtype)), _as(max_logits, torch.float32)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # ``t.to(dtype)`` costs microseconds even when it returns ``t``: test the dtype first
-    return t if t.dtype == dtype else t.to(dtype)
+    return (
+        as_dtype(out, q.dtype),
+        as_dtype(lse, accumulator_dtype(q.dtype)),
+        as_dtype(max_logits, torch.float32),
+    )
 
 
 # ----------------------------------------------------------------------------- stage API
@@ -422,7 +421,7 @@ class _FlexFlashAttn(torch.autograd.Function):
         # What the operator (`_ops.py`) returns and saves too: out in q's dtype, lse in the
         # accumulator precision (float64 for float64 inputs).
         out, lse_acc, max_logits = _run_forward(args, sink, sink_layout, return_max_logits)
-        lse = _as(lse_acc, torch.float32)
+        lse = as_dtype(lse_acc, torch.float32)
         ctx.save_for_backward(q, k, v, sink, out, lse_acc)
         # q, k, v travel through save_for_backward only (version checks, freed after backward);
         # the rest of the validated arguments in field order (a tuple: dataclasses.replace costs

@@ -1,4 +1,5 @@
-"""Small shared types: the mask-type integer codes and the forward metadata dataclass.
+"""Small shared types: the mask-type integer codes, the forward metadata dataclass, and
+`as_dtype`.
 
 `ffa_kernels` must install and work alone (see docs/api.md), so it does not import `magi_solver`'s
 `AttnMaskType`; it only speaks the integer codes that both packages agree on.
@@ -11,7 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BICAUSAL", "CAUSAL", "FULL", "INVCAUSAL", "AttnForwardMeta", "MaskType", "mask_type_code"]
+__all__ = [
+    "BICAUSAL",
+    "CAUSAL",
+    "FULL",
+    "INVCAUSAL",
+    "AttnForwardMeta",
+    "MaskType",
+    "as_dtype",
+    "mask_type_code",
+]
 
 
 class MaskType(enum.IntEnum):
@@ -87,3 +97,9 @@ class AttnForwardMeta:
 
     lse: torch.Tensor
     max_logits: torch.Tensor | None
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is (``t.to(dtype)`` costs microseconds of
+    host time even when it returns ``t``, which a training step's path feels)."""
+    return t if t.dtype == dtype else t.to(dtype)

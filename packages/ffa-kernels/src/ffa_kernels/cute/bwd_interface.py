@@ -9,6 +9,7 @@ import math
 import torch
 
 from .._identity_cache import IdentityCache
+from .._types import as_dtype
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import (
     BWD_MAX_TILE_M,
@@ -283,7 +284,7 @@ def bwd_preprocess(
         out = out.to(torch.float32)
     do_c = _aligned16(dout.contiguous())
     out_c = _aligned16(out.contiguous())
-    lse_c = (lse if lse.dtype == torch.float32 else lse.to(torch.float32)).contiguous()
+    lse_c = as_dtype(lse, torch.float32).contiguous()
     _preprocess_launcher(dout.dtype, out_c.dtype, d)(
         (
             do_c.data_ptr(), out_c.data_ptr(), lse_c.data_ptr(), stats.data_ptr(), tq, hq, stats.shape[-1],
@@ -322,7 +323,7 @@ def _launch(
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     q = _aligned16(q.contiguous())
-    do = _aligned16((dout if dout.dtype == q.dtype else dout.to(q.dtype)).contiguous())
+    do = _aligned16(as_dtype(dout, q.dtype).contiguous())
     fold = fold_scale(softmax_scale, q.dtype)
     stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
