@@ -21,9 +21,11 @@ def dense_mask(q_ranges, k_ranges, types, tq, tk):
     return testing.dense_mask(q_ranges, k_ranges, types, tq, tk, counts=True).to(torch.int32)
 
 
-def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
+def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True, every_row=False):
     """Replay the kernel's block loop and band masks; returns how often each cell is counted
-    (rows from a work tile's m_end on are computed but not owned: not counted).
+    (rows from a work tile's m_end on are computed but not owned: not counted; ``every_row``
+    counts them too, as the backward's dQ does: every computed key of a key tile below tq adds
+    to dQ, its own or not).
 
     every_tile: the forward plan has a work tile for every row tile, and those tiles partition
     the rows; in its unmasked blocks the rows it stores must be covered. Otherwise (the
@@ -46,7 +48,7 @@ def simulate_plan(work, entries, tq, tk, tile_m, tile_n, every_tile=True):
                 cols = torch.arange(kb, kb + tile_n).unsqueeze(0)
                 d = cols - rows
                 keep = (cols >= ks) & (cols < ke) & (rows >= qs) & (rows < qe) & (d >= lo) & (d <= hi)
-                keep &= (rows < m_end) & (cols < tk) & (cols >= 0)
+                keep &= ((rows < tq) if every_row else (rows < m_end)) & (cols < tk) & (cols >= 0)
                 if jf_lo <= j < jf_hi:  # planned as unmasked: every stored cell must be covered
                     assert bool(keep[: m_end - m0].all()), (m0, e, j)
                     if not every_tile:  # and in the backward every computed one (rows below tq)
@@ -191,12 +193,32 @@ def test_bwd_segment_key_tiles(seed, causal, tiles):
     work, ent, _ = seg
     cov = simulate_plan(work, ent, tk, tk, tile_n, tile_m, every_tile=False).T
     assert torch.equal(cov, dense_mask(docs, docs, ty, tk, tk))
+    dq = simulate_plan(work, ent, tk, tk, tile_n, tile_m, every_tile=False, every_row=True).T
+    assert torch.equal(dq, dense_mask(docs, docs, ty, tk, tk)), "dQ gets every cell once"
     starts = set(work[:, 0].tolist())
     assert all(a in starts for a, _ in docs), "a key tile starts at every document's first key"
     grid = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m, segment_rows=False)
     chosen = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m)
     best = seg if plan_cost(seg) < plan_cost(grid) else grid
     assert torch.equal(chosen[0], best[0]) and torch.equal(chosen[1], best[1])
+
+
+@pytest.mark.parametrize("segment_rows", [True, None])
+def test_bwd_key_tiles_on_shared_keys_stay_on_the_grid(segment_rows):
+    """Slices that share keys: per-document key tiles, even forced, would let a tile's keys
+    past its end (still inside its slice) add to dQ there and again in the next tile; the plan
+    keeps the grid (dK/dV and dQ each count every cell once)."""
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
+
+    qr, kr, ty = [[0, 300], [300, 600]], [[0, 200], [100, 300]], [0, 0]
+    tq, tk, tile_n, tile_m = 600, 300, 128, 64
+    ranges = (torch.tensor(qr), torch.tensor(kr), torch.tensor(ty))
+    work, ent, _ = build_bwd_plan_cpu(*ranges, tk, tile_n, tile_m, segment_rows=segment_rows)
+    assert all(m0 % tile_n == 0 for m0 in work[:, 0].tolist()), "grid key tiles"
+    want = dense_mask(qr, kr, ty, tq, tk)
+    assert torch.equal(simulate_plan(work, ent, tk, tq, tile_n, tile_m, every_tile=False).T, want)
+    dq = simulate_plan(work, ent, tk, tq, tile_n, tile_m, every_tile=False, every_row=True).T
+    assert torch.equal(dq, want)
 
 
 def test_plan_shared_q_rows_and_types():

@@ -123,6 +123,18 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
     assert fw.reduces - reduces >= world  # every rank's call ran the fused reduction
 
 
+def test_heap_size_is_read_as_nvshmem_reads_it():
+    from magi_comm.backends.native.runtime import parse_size
+
+    mib = 1 << 20
+    assert parse_size("", 7) == 7 and parse_size("  ", 7) == 7
+    assert parse_size("1073741824", 7) == 1 << 30
+    assert parse_size("512M", 7) == 512 * mib and parse_size("2g", 7) == 2 << 30
+    assert parse_size("64K", 7) == 64 << 10 and parse_size("1T", 7) == 1 << 40
+    assert parse_size("512MB", 7) == 512 * mib
+    assert parse_size("lots", 7) == 0 and parse_size("1.5G", 7) == 0  # unknown: nothing grows
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_receive_steps_take_rows_as_they_arrive(world):
     """Overlap with chunks of one block: the send kernels report every block of pairs that

@@ -157,20 +157,19 @@ class Partials:
         parts = cls(row_shape, dtype, device)
         gc = get_group_collective(rt.group)
         rb = torch.Size(row_shape).numel() * dtype.itemsize
+        budget = symmetric_budget() if gc.symmetric_outputs else 0  # a2av: plain tensors
+        if budget:
+            most = rt.partial_rows()  # not this rank's rows: every rank must decide alike
+            pool = parts._pool = _pool(gc)
+            if pool.event is not None:  # the last call's stream is done with the slots
+                torch.cuda.current_stream(device).wait_event(pool.event)
+            parts.slots = pool.take(gc, tuple(r * rb for r in most), budget)
         # room for the reduces' rows from any one rank in one round (the plan's most, the same
         # on every rank): the native backend's fused reduction takes only one-round calls, and
-        # its staged path cost cp 4 varlen causal 64k ~0.9 ms of a 12.3 ms step (docs/perf.md)
+        # its staged path cost cp 4 varlen causal 64k ~0.9 ms of a 12.3 ms step (docs/perf.md).
+        # After the pool's slots: the backend keeps its buffer's growth within what the
+        # symmetric heap has left.
         gc.reserve_rows(rt.max_pair_rows(), rb)
-        if not gc.symmetric_outputs:  # a2av: plain tensors, nothing else read or done
-            return parts
-        budget = symmetric_budget()
-        if not budget:
-            return parts
-        most = rt.partial_rows()  # not this rank's rows: every rank must decide alike
-        pool = parts._pool = _pool(gc)
-        if pool.event is not None:  # the last call's stream is done with the slots
-            torch.cuda.current_stream(device).wait_event(pool.event)
-        parts.slots = pool.take(gc, tuple(r * rb for r in most), budget)
         return parts
 
     def symmetric(self, i: int) -> bool:

@@ -36,13 +36,14 @@ def bwd_arg_spec(dkv_store: bool) -> list[tuple[str, str, int]]:
     """(kind, element, alignment) of the backward kernel's arguments (kernel_args.arg_spec's format).
 
     Order: pointers q, k, v, dout ("in"), lse2, delta, dq_acc (f32; dq_acc is a TMA target,
-    16-byte aligned), dk, dv (``dkv_store``: "in", 4-byte aligned, stored two elements at a
-    time; else f32 accumulators, 8-byte aligned, added to two at a time), work, entries, ranks,
+    16-byte aligned), dk, dv (``dkv_store``: "in", 16-byte aligned TMA store targets, a segment
+    tile's rows stored two elements at a time; else f32 accumulators, 8-byte aligned, added to
+    two at a time), work, entries, ranks,
     semaphores (i32; the last two read by the deterministic variant only); int32 total_q, total_k, heads_q, heads_k, num_work, num_entries, kv_row_stride,
     dkv_row_stride, stat_stride, heads_per_cta; float32 scale_log2, score_premul, grad_scale,
     dv_scale (`fold_scale`); int32 flags; the stream.
     """
-    dkv = ("ptr", "in", 4) if dkv_store else ("ptr", "f32", 8)
+    dkv = ("ptr", "in", 16) if dkv_store else ("ptr", "f32", 8)
     ptrs = [("ptr", "in", 16)] * 4 + [("ptr", "f32", 16)] * 3 + [dkv] * 2 + [("ptr", "i32", 16)] * 2
     ptrs += [("ptr", "i32", 4)] * 2
     return ptrs + [("i32", "", 0)] * 10 + [("f32", "", 0)] * 4 + [("i32", "", 0), ("stream", "", 0)]
@@ -306,10 +307,11 @@ def _dense_f32(t: torch.Tensor) -> bool:
     )
 
 
-def _pointers_16bit_pairs(t: torch.Tensor) -> bool:
-    """Rows of (H, D) 16-bit elements the kernel can store two at a time: dense, 4-byte aligned."""
+def _tma_store_rows(t: torch.Tensor) -> bool:
+    """Rows of (H, D) 16-bit elements the kernel stores by TMA (whole tiles) or two at a time (a
+    segment tile's): dense rows 16 bytes apart at least in alignment, a 16-byte aligned base."""
     return (
-        t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.stride(0) % 2 == 0 and t.data_ptr() % 4 == 0
+        t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
     )
 
 
@@ -500,7 +502,7 @@ def cute_backward(
         alloc = torch.empty if plan.rows_owned == total_k else torch.zeros
         dk = alloc(k.shape, dtype=q.dtype, device=dev)
         dv = alloc(v.shape, dtype=q.dtype, device=dev)
-        assert _pointers_16bit_pairs(dk) and _pointers_16bit_pairs(dv)
+        assert _tma_store_rows(dk) and _tma_store_rows(dv)
         _launch(q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, hk * d, True, split,
                 softmax_scale, softcap, head_group, deterministic)  # fmt: skip
     else:

@@ -186,19 +186,23 @@ class NativeBackend:
         needed = bytes_needed(self.world_size, (row_bytes,), rows_per_peer)
         if needed <= st.capacity:
             return
-        # the heap also holds the symmetric outputs and signals, and a grown buffer is allocated
-        # before the old one is gone from NVSHMEM's view of fragmentation: keep to half of it
-        if grown_capacity(st.capacity, needed, factor=self.config.growth_factor) > st.rt.heap_bytes // 2:
+        # the heap also holds the symmetric outputs (the partial buffers among them) and the
+        # signal areas, and NVSHMEM may fragment: half of it at most, and 64 MiB left beside
+        # the outputs held now
+        heap = st.rt.heap_bytes
+        held = sum(end - start for start, end in st.outputs.spans.values())
+        room = min(heap // 2, heap - held - (64 << 20))
+        if grown_capacity(st.capacity, needed, factor=self.config.growth_factor) > room:
             if (rows_per_peer, row_bytes) not in self._refused:
                 self._refused.add((rows_per_peer, row_bytes))
                 logger.info(
                     "magi_comm native: %d rows of %d bytes per peer would need a receive buffer of "
-                    "%.0f MiB, over half of the %.0f MiB symmetric heap: such calls move in rounds "
-                    "(a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
+                    "%.0f MiB, more than the %.0f MiB symmetric heap leaves it: such calls move in "
+                    "rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
                     rows_per_peer,
                     row_bytes,
                     needed / (1 << 20),
-                    st.rt.heap_bytes / (1 << 20),
+                    heap / (1 << 20),
                     ENV_BUFFER_MB,
                 )
             return

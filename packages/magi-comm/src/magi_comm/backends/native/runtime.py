@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,9 +35,9 @@ class Runtime:
         device: CUDA ordinal of this process's GPU.
         nvc, nvb: ``nvshmem.core`` and ``nvshmem.bindings``.
         states: the group's shared state (at most one entry: the members), while backends use it.
-        heap_bytes: the symmetric heap's size (``$NVSHMEM_SYMMETRIC_SIZE`` when it is a plain
-            number of bytes, else what this runtime asked for): the receive buffer's growth
-            stays within half of it (``NativeBackend.reserve_rows``).
+        heap_bytes: the symmetric heap's size (``$NVSHMEM_SYMMETRIC_SIZE``, `parse_size`; what
+            this runtime asked for when unset; 0 when unreadable): ``NativeBackend.reserve_rows``
+            grows the receive buffer only within it.
     """
 
     def __init__(
@@ -95,10 +96,24 @@ class Runtime:
                     f"magi_comm native: NVSHMEM PE {nvc.my_pe()}/{nvc.n_pes()} != group rank {rank}/{world}"
                 )
             logger.info("magi_comm native: NVSHMEM %s initialized, PE %d/%d", nvc.get_version(), rank, world)
-            raw = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "").strip()
-            heap = int(raw) if raw.isdigit() else heap  # NVSHMEM's own forms ("2G"): ours stands
+            heap = parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE", ""), heap)
             rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
             return rt
+
+
+_SIZE = re.compile(r"\s*(\d+)\s*([kmgt]?)b?\s*", re.IGNORECASE)
+
+
+def parse_size(raw: str, default: int) -> int:
+    """Bytes of a size as NVSHMEM reads ``$NVSHMEM_SYMMETRIC_SIZE`` (a number, optionally with
+    K / M / G / T, powers of 1024); ``default`` when ``raw`` is empty, 0 when it cannot be read
+    (then nothing may grow into the heap: its size is unknown)."""
+    if not raw.strip():
+        return default
+    m = _SIZE.fullmatch(raw)
+    if m is None:
+        return 0
+    return int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " "))
 
 
 def shutdown(platform: CudaPlatform | None = None) -> None:
