@@ -330,6 +330,35 @@ def test_bwd_whole_call(hq, hk, heads_per_cta):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hk,heads_per_cta", [(4, 4, None), (8, 2, None), (8, 2, 1)])
+def test_bwd_segment_key_tiles(d, hq, hk, heads_per_cta, monkeypatch):
+    """Per-document key tiles forced (tile_plan.SEGMENT_ROWS): short documents with gaps, the
+    keys not a multiple of 128. A key tile that stops at its document's end adds or stores dK/dV
+    below its end only (with one writer per row: register stores, the next tile's rows left to
+    it; whole tiles by TMA), keys of no document are 0, dQ gets each cell once; causal and full,
+    softcap; in the poisoned allocator's memory (a row nobody writes would be NaN)."""
+    from ffa_kernels.cute import tile_plan
+    from ffa_kernels.cute.tile_plan import build_bwd_plan_cpu
+
+    monkeypatch.setattr(tile_plan, "SEGMENT_ROWS", True)
+    tk = 1700
+    rng = random.Random(40 + d + hq)
+    docs, row = [], rng.randrange(0, 30)
+    while row < tk:
+        n = min(rng.choice([1, 9, 63, 100, 127, 129, 250]), tk - row)
+        docs.append([row, row + n])
+        row += n + rng.choice([0, 0, 5, 140])
+    for typ, softcap in ((1, 0.0), (0, 10.0)):
+        ty = [typ] * len(docs)
+        work, _, _ = build_bwd_plan_cpu(torch.tensor(docs), torch.tensor(docs), torch.tensor(ty), tk, 128, 80)
+        n0, n_stop = work[:, 0].tolist(), work[:, 4].tolist()
+        assert any(s < min(a + 128, tk) for a, s in zip(n0, n_stop)), "tiles that stop early are expected"
+        run_bwd_whole_case(docs, docs, ty, tk, tk, hq=hq, hk=hk, d=d, softcap=softcap, seed=typ,
+                           heads_per_cta=heads_per_cta)  # fmt: skip
+
+
+@pytest.mark.sm90
 @pytest.mark.parametrize("heads_per_cta", [None, 1])
 @pytest.mark.parametrize("seed", range(4))
 def test_bwd_deterministic_kernel(seed, heads_per_cta):
