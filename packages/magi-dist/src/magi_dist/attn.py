@@ -291,13 +291,17 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
     parts.done()  # every reduce is waited: the next call may reuse the buffers
-    if rt.me.calc.kv_concat and parts.symmetric(0):
-        # the local rows' gradients lie in the pooled buffer, which the next call overwrites:
-        # sum into the fresh tensor instead (the same float32 additions, a + b == b + a)
-        dkv_remote += dkv[:tk]
-        return (dq, *_split(dkv_remote, hk, d))
     if rt.me.calc.kv_concat:
-        dk, dv = _split(dkv[:tk], hk, d)  # the local rows' gradients, summed in place below
+        # the local rows' gradients plus their owners' sums, in one pass over the packed rows;
+        # into the fresh tensor where the buffer is pooled (symmetric: the next call overwrites
+        # it), else in place (the same float32 additions, a + b == b + a)
+        if parts.symmetric(0):
+            total = dkv_remote
+            total += dkv[:tk]
+        else:
+            total = dkv[:tk]
+            total += dkv_remote
+        return (dq, *_split(total, hk, d))
     remote_dk, remote_dv = _split(dkv_remote, hk, d)
     dk += remote_dk
     dv += remote_dv
