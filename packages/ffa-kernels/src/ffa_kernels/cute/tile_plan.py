@@ -224,14 +224,24 @@ def build_plan_cpu(
     with some tile shapes or key ranges they plan more blocks). Returns (work int32
     (W, WORK_COLS), entries int32 (E, ENTRY_COLS), total_blocks)."""
     bands = slice_bands(q_ranges, k_ranges, attn_type_map)
-    if segment_rows is None:
-        segment_rows = SEGMENT_ROWS
 
     def plan(seg: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         return build_band_plan(bands, total_q, tile_m, tile_n, segment_rows=seg, stored_rows_only=True)
 
+    return _grid_or_documents(plan, bands, segment_rows)
+
+
+def _grid_or_documents(plan, bands, segment_rows: bool | None, keys: bool = False):
+    """``plan(True)`` (tiles per document) or ``plan(False)`` (the grid) over ``bands`` (rows
+    first): as ``segment_rows`` says (None: `SEGMENT_ROWS`; None there too: the one of lower
+    `plan_cost`, per document only where no two slices share a row). ``keys`` (the backward's
+    key tiles): per document only where no two slices share a key, even when told, since a key
+    tile's keys past its end, still inside its slice, would add to dQ there and again in the
+    next tile."""
+    if segment_rows is None:
+        segment_rows = SEGMENT_ROWS
     if segment_rows is not None:
-        return plan(segment_rows)
+        return plan(segment_rows and (not keys or rows_disjoint(bands[0], bands[1])))
     grid = plan(False)
     if not rows_disjoint(bands[0], bands[1]):
         return grid
@@ -293,8 +303,6 @@ def build_bwd_plan_cpu(
     key tiles in `deterministic_order`.
     """
     bands = transpose_bands(slice_bands(q_ranges, k_ranges, attn_type_map))
-    if segment_rows is None:
-        segment_rows = SEGMENT_ROWS
 
     def plan(seg: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         work, entries, total_blocks = build_band_plan(
@@ -302,16 +310,7 @@ def build_bwd_plan_cpu(
         )
         return work[work[:, 3] > 0], entries, total_blocks  # LPT order puts the empty tiles last
 
-    if segment_rows is not None:
-        # per-document key tiles need keys no two slices share: a tile's keys past its end,
-        # still inside its slice, would add to dQ there and again in the next tile
-        work, entries, total_blocks = plan(segment_rows and rows_disjoint(bands[0], bands[1]))
-    else:
-        work, entries, total_blocks = grid = plan(False)
-        if rows_disjoint(bands[0], bands[1]):
-            docs = plan(True)
-            if plan_cost(docs) < plan_cost(grid):
-                work, entries, total_blocks = docs
+    work, entries, total_blocks = _grid_or_documents(plan, bands, segment_rows, keys=True)
     if aligned:
         work = work[deterministic_order(work, entries, tile_m)]
     return work.contiguous(), entries, total_blocks

@@ -206,7 +206,7 @@ class NativeBackend:
                     ENV_BUFFER_MB,
                 )
             return
-        st.grow(needed)
+        self.reserve(needed)
 
     @property
     def capacity(self) -> int:

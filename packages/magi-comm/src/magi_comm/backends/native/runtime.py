@@ -49,7 +49,7 @@ class Runtime:
         device: int,
         nvc,
         nvb,
-        heap_bytes: int = 1 << 30,
+        heap_bytes: int,
     ) -> None:
         self.heap_bytes = heap_bytes
         self.platform = platform
