@@ -344,6 +344,64 @@ def assert_packed_launch_equals_dsl(fn, torch_dtype, accumulate: bool) -> None:
     assert seen == [kernel_args.read_c_values(spec, exe_args)]
 
 
+PACKED_VARIANTS = [  # (head_dim, head_dim_v, dtype, softcap, G): GQA packed tiles (tile_m % G == 0)
+    (128, 128, torch.bfloat16, False, 8),
+    (128, 128, torch.float16, True, 2),
+    (64, 64, torch.bfloat16, True, 8),
+    (256, 256, torch.bfloat16, False, 4),
+    (192, 128, torch.bfloat16, False, 8),
+    (64, 64, torch.bfloat16, False, 6),  # G not a power of two (tile_m 192)
+]
+
+
+@pytest.mark.parametrize("d,dv,dt,softcap,g", PACKED_VARIANTS)
+def test_compile_packed_gqa_variants(d, dv, dt, softcap, g, tmp_path, monkeypatch):
+    """The forward with GQA packed tiles (q and O through a (D, G, tile_m / G) TMA box over
+    ((G, Tq), D, Hk)) compiles for sm_90a with no GPU, under its own compile key."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import compile_cache, interface
+
+    cfg = default_config(d, dv)
+    key = interface.compile_key(dt, cfg, softcap, False, g)
+    assert key != interface.compile_key(dt, cfg, softcap, False) and ("pack", g) in key.flags
+    compile_cache.forget(key)
+    fn = interface.get_kernel(dt, cfg, softcap, pack=g, use_disk_cache=False)
+    assert_packed_launch_equals_dsl(fn, dt, False)
+
+
+def test_choose_pack_by_plan_cost(monkeypatch):
+    """Packed tiles where they cost fewer blocks over all heads: many short documents (20 of
+    90 rows, causal, 64:8: 128-row tiles waste most rows, 16-token tiles few), not one full
+    document of a multiple of 128 tokens (the same cost: a tie stays unpacked); chosen by
+    default, forced and refused by PACK_GQA / $FFA_PACK_GQA."""
+    from ffa_kernels.cute import interface
+    from ffa_kernels.cute.tile_plan import get_plan
+
+    def plans(q_ranges, types, total):
+        qr = torch.tensor(q_ranges, dtype=torch.int32)
+        tm = torch.tensor(types, dtype=torch.int32)
+        cpu = torch.device("cpu")
+        return get_plan(qr, qr, tm, total, 128, 128, cpu), get_plan(qr, qr, tm, total, 16, 128, cpu)
+
+    monkeypatch.setattr(interface, "PACK_GQA", None)  # the default: by plan cost
+    monkeypatch.delenv(interface.ENV_PACK_GQA, raising=False)
+    short = plans([[i * 100, i * 100 + 90] for i in range(20)], [1] * 20, 2000)
+    long = plans([[0, 4096]], [0], 4096)  # the same blocks packed or not: a tie keeps it plain
+    assert short[1].total_blocks < short[0].total_blocks * 8 / 2  # the packed plan's saving
+    assert interface.pack_gqa_allowed()
+    assert interface.choose_pack(8, 8, *short) == 8
+    assert interface.choose_pack(8, 8, *long) == 1
+    monkeypatch.setenv(interface.ENV_PACK_GQA, "1")
+    assert interface.choose_pack(8, 8, *long) == 8
+    monkeypatch.setenv(interface.ENV_PACK_GQA, "0")
+    assert not interface.pack_gqa_allowed()
+    monkeypatch.setattr(interface, "PACK_GQA", True)  # the module setting wins over the env
+    assert interface.pack_gqa_allowed() and interface.choose_pack(8, 8, *long) == 8
+    monkeypatch.setattr(interface, "PACK_GQA", False)
+    assert not interface.pack_gqa_allowed()
+
+
 def test_compile_every_variant(tmp_path, monkeypatch):
     """Every compiled variant (normal and accumulate epilogue), for sm_90a, on a machine with no
     GPU; also exercises the disk cache."""

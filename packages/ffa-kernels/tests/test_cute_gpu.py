@@ -193,6 +193,51 @@ def test_short_documents_on_segment_tiles(typ, d, monkeypatch):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (192, 128)])
+@pytest.mark.parametrize("hq,hk", [(16, 2), (8, 4), (12, 3)])
+def test_packed_gqa_tiles(d, dv, hq, hk, monkeypatch):
+    """GQA packed tiles (forced: interface.PACK_GQA): a tile's row p is token m0 + p // G of q
+    head hk * G + p % G, G = hq / hk (8, 2, 4). Short documents with gaps (uncovered rows: out 0,
+    lse -inf), on per-document tiles and on the grid, 1500 rows (not a multiple of any tile's
+    tokens); every mask type at D 128, causal with softcap, a sink and max_logits at every head
+    dim; a sliding window."""
+    from ffa_kernels.cute import interface, tile_plan
+
+    monkeypatch.setattr(interface, "PACK_GQA", True)
+    tq = 1500
+    qr = _short_documents(11, tq)
+    for seg in (True, False):
+        monkeypatch.setattr(tile_plan, "SEGMENT_ROWS", seg)
+        types = (0, 1, 2, 3) if d == 128 else (1,)
+        for typ in types:
+            run_case(qr, qr, [typ] * len(qr), tq, tq, hq=hq, hk=hk, d=d, dv=dv, seed=typ)
+        run_case(qr, qr, [1] * len(qr), tq, tq, hq=hq, hk=hk, d=d, dv=dv, softcap=20.0,
+                 max_logits=True, sink_layout="ssh", seed=5)  # fmt: skip
+    qr, kr, ty = sliding_window_slices(tq, 200)
+    run_case(qr, kr, ty, tq, tq, hq=hq, hk=hk, d=d, dv=dv, max_logits=True, sink_layout="sh")
+
+
+@pytest.mark.sm90
+def test_packed_gqa_chosen_by_plan_cost(monkeypatch):
+    """Unforced (the default), 64:8 many short documents take packed tiles
+    (choose_pack), the results as the unpacked kernel's within the oracle's tolerance; and
+    $FFA_PACK_GQA=0 keeps them unpacked."""
+    from ffa_kernels.cute import interface
+
+    monkeypatch.setattr(interface, "PACK_GQA", None)
+    monkeypatch.delenv(interface.ENV_PACK_GQA, raising=False)
+    chosen = []
+    real = interface.choose_pack
+    monkeypatch.setattr(interface, "choose_pack", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    docs = [[i * 100, i * 100 + 90] for i in range(20)]
+    run_case(docs, docs, [1] * len(docs), 2000, 2000, hq=64, hk=8)
+    assert chosen == [8]
+    monkeypatch.setenv(interface.ENV_PACK_GQA, "0")
+    run_case(docs, docs, [1] * len(docs), 2000, 2000, hq=64, hk=8)
+    assert chosen == [8]  # not asked again: packing not allowed
+
+
+@pytest.mark.sm90
 def test_short_documents_accumulate(monkeypatch):
     """The accumulate epilogue on segment tiles (forced): two calls over the same short
     documents (first and second half of each document's keys), rows of no document bitwise

@@ -49,7 +49,7 @@ class CompileKey:
     kernel: str  # which kernel class: "ffa_fwd_sm90", "ffa_bwd_sm90"
     dtype: str  # str() of the torch element dtype
     config: tuple  # the config dataclass's fields, in order (FwdConfig / BwdConfig .key())
-    flags: tuple[tuple[str, bool], ...]  # named compile-time variants (softcap, accumulate, ...)
+    flags: tuple[tuple[str, bool | int], ...]  # named compile-time variants (softcap, accumulate, pack, ...)
     arg_spec: str  # repr of the packed launcher's argument spec (kernel_args)
     arch: str  # the target, e.g. "sm_90a"
 

@@ -51,7 +51,7 @@ from .pipeline import (
     tma_load_rows,
 )
 from .schedule import cta_work_and_head
-from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, rescale_rows
+from .softmax import LN_2, LOG2_E, finalize, init_state, online_step, quad_max, rescale_rows
 from .tile_plan import ENTRY_COLS, WORK_COLS
 
 FLAG_HAS_SINK = 1
@@ -66,12 +66,19 @@ class FFAForwardSm90:
     ``ptr_lse`` a float32 (Tq, Hq) accumulator, read and merged in place; no sink.
     """
 
-    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False):
+    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False, pack: int = 1):
         self.dtype = dtype
         self.cfg = cfg
         self.has_softcap = has_softcap
         self.accumulate = accumulate
         self.tile_m, self.tile_n, self.hdim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        # pack > 1 (GQA packed, G = Hq / Hk q heads per K/V head): a tile's row p is token
+        # m0 + p // G of q head hk * G + p % G, one CTA per (work tile, K/V head); the plan's
+        # tiles are tile_m / G tokens. Not with accumulate (the stage API keeps one q head per CTA).
+        assert pack >= 1 and cfg.tile_m % pack == 0, f"pack: {pack} must divide tile_m {cfg.tile_m}"
+        assert pack == 1 or not accumulate, "pack: the accumulate epilogue is not packed"
+        self.pack = pack
+        self.tile_tokens = cfg.tile_m // pack
         # band masks by bit runs (masking.apply_band_mask) at 128 keys per block: faster at D 64;
         # at D 256 (80 keys) they measured within noise (docs/perf.md) and the comparisons stay
         self.bit_runs = cfg.tile_n == 128
@@ -137,7 +144,17 @@ class FFAForwardSm90:
         sO_layout = smem_layout(self.dtype, self.tile_m, Dv, None)
 
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, D))
+        G, TT = self.pack, self.tile_tokens
+        if cutlass.const_expr(G > 1):
+            # q as ((G, Tq), D, Hk): a tile's rows are (head within the group, token), heads
+            # inner, so one 3-D box (D, G, TT) loads tile_m packed rows of one K/V head
+            mQp = cute.make_tensor(
+                ptr_q,
+                cute.make_layout(((G, total_q), D, num_heads_k), stride=((D, hq64 * D), 1, G * D)),
+            )
+            tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQp, sQ_layout, ((G, TT), D))
+        else:
+            tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, D))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
             op, mKt, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, D), 1
         )
@@ -148,6 +165,14 @@ class FFAForwardSm90:
             # no TMA store: the epilogue reads and writes the f32 accumulator directly
             # (tma_atom_q only fills the unused descriptor argument)
             tma_atom_o, tma_o = tma_atom_q, mO
+        elif cutlass.const_expr(G > 1):
+            mOp = cute.make_tensor(
+                ptr_o,
+                cute.make_layout(((G, total_q), Dv, num_heads_k), stride=((Dv, hq64 * Dv), 1, G * Dv)),
+            )
+            tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mOp, sO_layout, ((G, TT), Dv)
+            )
         else:
             mOt = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[0, 2, 1]))
             tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
@@ -167,7 +192,7 @@ class FFAForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        num_heads = num_heads_q
+        num_heads = num_heads_k if cutlass.const_expr(G > 1) else num_heads_q  # CTAs per work tile
         self.kernel(
             tma_q,
             tma_k,
@@ -263,7 +288,9 @@ class FFAForwardSm90:
         e1 = mWork[w, 2]
         nb_total = mWork[w, 3]
         m_end = mWork[w, 4]  # rows m0 .. m_end - 1 are this tile's to store (tile_plan.row_tiles)
-        head_kv = head // qhead_per_kvhead
+        head_kv = head  # pack > 1: the CTA's head is its K/V head
+        if cutlass.const_expr(self.pack == 1):
+            head_kv = head // qhead_per_kvhead
 
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -302,7 +329,8 @@ class FFAForwardSm90:
                           pipe_k.producer_get_barrier(k_state))  # fmt: skip
             k_state.advance()
             pipe_q.producer_acquire(q_state)
-            tma_load_rows(tma_atom_q, gQ, m0, self.tile_m, self.hdim, sQ, None,
+            q_row0 = m0 if cutlass.const_expr(self.pack == 1) else (0, m0)  # packed: (head, token)
+            tma_load_rows(tma_atom_q, gQ, q_row0, self.tile_m, self.hdim, sQ, None,
                           pipe_q.producer_get_barrier(q_state))  # fmt: skip
             if cutlass.const_expr(not cfg.intra_wg_overlap):
                 pipe_v.producer_acquire(v_state)
@@ -356,11 +384,11 @@ class FFAForwardSm90:
     ):
         """Mask (masked=True; None: decide at run time), track the pre-softcap max, apply softcap."""
         if cutlass.const_expr(masked is None):
-            full = block_is_full(kb, m0, self.tile_m, self.tile_n, ks, ke, lo, hi, qs, qe)
+            full = block_is_full(kb, m0, self.tile_tokens, self.tile_n, ks, ke, lo, hi, qs, qe)
             if not full:
-                apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.bit_runs)
+                apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.bit_runs, self.pack)
         elif cutlass.const_expr(masked):
-            apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.bit_runs)
+            apply_band_mask(acc_S, tScS, t0ScS, kb, m0, ks, ke, lo, hi, qs, qe, self.bit_runs, self.pack)
         if cutlass.const_expr(self.has_softcap):
             s = acc_rows_cols(acc_S)
             if track_max:
@@ -542,18 +570,18 @@ class FFAForwardSm90:
         total_q = mLSE.shape[0]
         sink_lse = cute.make_rmem_tensor(num_rows, Float32)
         for r in cutlass.range_constexpr(num_rows):
-            row = m0 + tOcO[r, 0][0]
+            row, h = self.token_head(tOcO[r, 0][0], m0, head)
             sv = -Float32.inf
             if (flags & FLAG_HAS_SINK) != 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
                 if row < total_q:
-                    sv = mSinkLse[row, head]
+                    sv = mSinkLse[row, h]
             sink_lse[r] = sv
         row_inv = cute.make_rmem_tensor(num_rows, Float32)
         row_lse = cute.make_rmem_tensor(num_rows, Float32)
         finalize(row_max, row_sum, scale_log2, sink_lse, row_inv, row_lse)
         rescale_rows(acc_O, row_inv)
         # the grid's tile end (rows past Tq are clipped by the TMA unit); before it: a segment tile
-        whole_tile = m_end >= cutlass.min(m0 + self.tile_m, total_q)
+        whole_tile = m_end >= cutlass.min(m0 + self.tile_tokens, total_q)
         if whole_tile:
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
@@ -567,8 +595,11 @@ class FFAForwardSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
             if ctid < 32:
+                o_row0 = m0 if cutlass.const_expr(self.pack == 1) else (0, m0)  # packed: (head, token)
                 gO = cute.local_tile(
-                    cute.domain_offset((m0, 0), tma_o[None, None, head]), (self.tile_m, self.hdim_v), (0, 0)
+                    cute.domain_offset((o_row0, 0), tma_o[None, None, head]),
+                    (self.tile_m, self.hdim_v),
+                    (0, 0),
                 )
                 s_part, g_part = cpasync.tma_partition(
                     tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
@@ -580,26 +611,43 @@ class FFAForwardSm90:
         col0 = tOcO[0, 0][1]
         if col0 == 0:
             for r in cutlass.range_constexpr(num_rows):
-                row = m0 + tOcO[r, 0][0]
+                row, h = self.token_head(tOcO[r, 0][0], m0, head)
                 if row < m_end:
-                    mLSE[row, head] = row_lse[r]
+                    mLSE[row, h] = row_lse[r]
         if track_max:
-            self.store_max_logit(tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale)
+            if cutlass.const_expr(self.pack == 1):
+                self.store_max_logit(tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale)
+            else:
+                self.store_max_logit_packed(
+                    tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale
+                )
         if whole_tile:  # noqa: SIM102 (DSL: keep run-time conditions apart)
             if ctid < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    def token_head(self, p, m0, head):
+        """(token, q head) of tile row ``p`` (traced inline): (m0 + p, head), or packed (G =
+        pack), (m0 + p // G, head * G + p % G) with ``head`` the CTA's K/V head (G a
+        compile-time constant: shifts for powers of two)."""
+        if self.pack == 1:
+            return m0 + p, head
+        return m0 + p // self.pack, head * self.pack + p % self.pack
+
     @cute.jit
     def store_rows(self, tOcO, acc_O, mO, m0, m_end, head):
-        """O rows m0 .. m_end - 1 from registers (two adjacent columns per 4-byte store)."""
+        """O rows of tokens m0 .. m_end - 1 from registers (two adjacent columns per 4-byte store)."""
         o = acc_rows_cols(acc_O)
-        base = mO.iterator + cute.crd2idx((0, head, 0), mO.layout)
         row_stride = mO.stride[0]
         is_bf16 = self.dtype == cutlass.BFloat16
+        base = mO.iterator  # unpacked: the head's offset once (packed: per row, its own head)
+        if cutlass.const_expr(self.pack == 1):
+            base = mO.iterator + cute.crd2idx((0, head, 0), mO.layout)
         for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-            row = m0 + tOcO[r, 0][0]
+            row, h = self.token_head(tOcO[r, 0][0], m0, head)
             if row < m_end:
                 off = cutlass.Int64(row) * row_stride
+                if cutlass.const_expr(self.pack > 1):
+                    off = off + h * mO.stride[1]
                 for c in cutlass.range_constexpr(0, cute.size(o, mode=[1]), 2):
                     store_pair_16bit(base + off + tOcO[r, c][1], o[r, c], o[r, c + 1], is_bf16)
 
@@ -616,6 +664,22 @@ class FFAForwardSm90:
         if cute.arch.lane_idx() == 0:  # noqa: SIM102 (DSL: keep compile-time and run-time conditions apart)
             if mx != -Float32.inf:
                 cute.arch.atomic_fmax(mMaxLogit.iterator + head, mx * softmax_scale)
+
+    @cute.jit
+    def store_max_logit_packed(self, tOcO, raw_max, true_max, mMaxLogit, m0, m_end, head, softmax_scale):
+        """Packed tiles: a warp's rows belong to several q heads, so the raw score max goes out
+        per row (one atomic fmax per row, from the quad's first thread) into max_logits[q head].
+        raw_max (softcap) holds the thread's own columns only: the quad's max first."""
+        rms = cute.make_rmem_tensor(cute.size(raw_max), Float32)
+        for r in cutlass.range_constexpr(cute.size(raw_max)):
+            rms[r] = quad_max(raw_max[r]) if cutlass.const_expr(self.has_softcap) else true_max[r]
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(raw_max)):
+                rm = rms[r]
+                row, h = self.token_head(tOcO[r, 0][0], m0, head)
+                if row < m_end:  # noqa: SIM102 (DSL: keep run-time conditions apart)
+                    if rm != -Float32.inf:
+                        cute.arch.atomic_fmax(mMaxLogit.iterator + h, rm * softmax_scale)
 
     @cute.jit
     def epilogue_accumulate(

@@ -87,13 +87,15 @@ def apply_band_mask(
     qs,
     qe,
     bit_runs: cutlass.Constexpr = False,
+    rows_per_token: cutlass.Constexpr = 1,
 ):
     """Mask one score block in registers (``acc_S``, wgmma accumulator layout) to the entry's
     band, -inf outside. ``bit_runs``: per row one 32-bit word of kept elements (rows of at most
     32 elements); else a comparison per element. The forward at 128 keys per block takes bit
     runs (causal D 64 8k: +4 to +7% in two alternating pairs on an H100, other masks within the
     runs' noise; docs/perf.md); the backward measured no gain from them and keeps the
-    comparisons (4 bytes of spill with bit runs at D 128)."""
+    comparisons (4 bytes of spill with bit runs at D 128). ``rows_per_token``: packed GQA
+    tiles (G rows per token, heads inner): a row's token is row // G; ``m0`` is a token."""
     s = acc_rows_cols(acc_S)
     ncol = cute.size(s, mode=[1])
     assert not bit_runs or ncol <= 32, f"bit_runs: a row of {ncol} elements does not fit one 32-bit word"
@@ -102,6 +104,8 @@ def apply_band_mask(
     col_off = tScS[0, 0][1]
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = tScS[r, 0][0]
+        if cutlass.const_expr(rows_per_token > 1):
+            row = row // rows_per_token
         c_lo = cutlass.max(ks - kb, row + lo - d) - col_off
         c_hi = cutlass.min(ke - kb, row + hi - d + 1) - col_off
         row_ok = (row + m0 >= qs) & (row + m0 < qe)
