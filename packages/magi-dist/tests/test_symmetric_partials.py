@@ -122,6 +122,7 @@ def _fake_world_run(world: int, monkeypatch, budget_mb: str) -> tuple[native_fak
                     log["grads"].append([t.grad for t in (q, k, v)])
                 log[f"allocs_after_round{rnd}"] = len(log["allocs"])
             log["aliased"] = _backward_results_alias_the_pool(world, rank, group)
+            log["sums_as_cast"] = _sums_in_grad_dtype_equal_the_cast(world, rank, group)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
@@ -138,6 +139,28 @@ def _backward_results_alias_the_pool(world: int, rank: int, group) -> bool:
     kept = [t.clone() for t in first]
     attn._backward(rt, 2 * dout, q, k, v, out, lse, D**-0.5, 0.0, False)
     return not all(torch.equal(a, b) for a, b in zip(first, kept))
+
+
+def _sums_in_grad_dtype_equal_the_cast(world: int, rank: int, group) -> list[bool]:
+    """Per overlap degree (0: one [local; remote] call, 2: stages), whether dk / dv asked in
+    bfloat16 (`_backward`'s grad_dtype: the final sums written in it) come out in bfloat16,
+    bitwise equal to the float32 result cast, with dq unchanged."""
+    ok = []
+    for degree in (0, 2):
+        rt = _runtime(VARLEN, world, rank, degree, group)
+        q, k, v, dout = (_take_local(t, rt, 0.0) for t in _inputs(VARLEN, torch.float32, seed=11))
+        out, lse, _, _ = attn._forward(rt, q, k, v, None, "sh", D**-0.5, 0.0, False)
+        wide = [t.clone() for t in attn._backward(rt, dout, q, k, v, out, lse, D**-0.5, 0.0, False)]
+        got = attn._backward(rt, dout, q, k, v, out, lse, D**-0.5, 0.0, False, grad_dtype=torch.bfloat16)
+        ok.append(
+            torch.equal(got[0], wide[0])
+            and all(
+                g.dtype == torch.bfloat16 and torch.equal(g, w.to(torch.bfloat16))
+                for g, w in zip(got[1:], wide[1:])
+            )
+            and wide[1].abs().max() > 0
+        )
+    return ok
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -161,6 +184,7 @@ def test_native_partials_are_pulled_from_symmetric_outputs(world, monkeypatch):
         assert log["allocs"] == seen[0]["allocs"], (rank, log["allocs"], seen[0]["allocs"])
         assert log["allocs"] and log["allocs_after_round0"] == log["allocs_after_round1"]
         assert not log["aliased"] and not plain[rank]["aliased"]
+        assert log["sums_as_cast"] == [True, True] and plain[rank]["sums_as_cast"] == [True, True]
         for i, (got, again, base) in enumerate(
             zip(log["grads"], log["grads"][len(CASES) :], plain[rank]["grads"])
         ):

@@ -256,7 +256,7 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     return out, lse, None if ml is None else ml.float(), kv
 
 
-def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det, kept=None):
+def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det, kept=None, grad_dtype=None):
     """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
     repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
 
@@ -267,7 +267,9 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
 
     ``kept``: None (degree 0 casts the K/V rows again), or the forward's packed ``[local; remote]``
     K/V rows (`keep_kv`; an empty tensor on a rank whose forward had none: it computes nothing
-    here, and casts nothing either, as no rank does then)."""
+    here, and casts nothing either, as no rank does then). ``grad_dtype``: dk and dv come out in
+    it (default float32): the local rows' sums with their owners' are written in it directly,
+    one rounding of the same float32 sums, no float32 total and cast after it."""
     split = bwd_split(rt.plan.cp_size)  # read (and a bad value raised) before any collective
     tk, hk, d = k.shape
     dev = q.device
@@ -292,20 +294,17 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         w.wait()
     parts.done()  # every reduce is waited: the next call may reuse the buffers
     if rt.me.calc.kv_concat:
-        # the local rows' gradients plus their owners' sums, in one pass over the packed rows;
-        # into the fresh tensor where the buffer is pooled (symmetric: the next call overwrites
-        # it), else in place (the same float32 additions, a + b == b + a)
-        if parts.symmetric(0):
-            total = dkv_remote
-            total += dkv[:tk]
-        else:
-            total = dkv[:tk]
-            total += dkv_remote
-        return (dq, *_split(total, hk, d))
+        dk, dv = _split(dkv[:tk], hk, d)  # the local rows' own gradients (maybe in the pool)
     remote_dk, remote_dv = _split(dkv_remote, hk, d)
-    dk += remote_dk
-    dv += remote_dv
-    return dq, dk, dv
+    # fresh tensors, never the pooled buffer (the next call overwrites it)
+    return dq, _sum_as(dk, remote_dk, grad_dtype), _sum_as(dv, remote_dv, grad_dtype)
+
+
+def _sum_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``a + b`` (float32, or the accumulators' dtype) written into a new contiguous tensor of
+    ``dtype`` (default ``a``'s): the gradient's final sum and its cast in one pass."""
+    out = torch.empty(a.shape, dtype=dtype or a.dtype, device=a.device)
+    return torch.add(a, b, out=out)
 
 
 def _backward_concat(
@@ -403,7 +402,9 @@ class _DistAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dml):
         q, k, v, out, lse, sink, kept = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = _backward(ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap, ctx.det, kept)
+        dq, dk, dv = _backward(
+            ctx.rt, dout, q, k, v, out, lse, ctx.scale, ctx.softcap, ctx.det, kept, grad_dtype=k.dtype
+        )
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             dsink = sink_backward(sink, ctx.sink_layout, out, dout, lse)
