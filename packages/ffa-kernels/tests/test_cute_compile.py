@@ -402,6 +402,31 @@ def test_choose_pack_by_plan_cost(monkeypatch):
     assert not interface.pack_gqa_allowed()
 
 
+def test_plan_and_pack_only_where_g_divides_the_tile(monkeypatch):
+    """The forward call's choice (`interface.plan_and_pack`, the host side, on the CPU): many
+    short documents pack G = 8 (the plan of 16-token tiles) and G = 3 at D 64 (192-row tiles),
+    not G = 3 at D 128 (128 rows are no whole number of 3-head tokens) nor MHA, nor when refused."""
+    from ffa_kernels.cute import interface
+    from ffa_kernels.cute.config import default_config
+
+    monkeypatch.setattr(interface, "PACK_GQA", None)
+    monkeypatch.delenv(interface.ENV_PACK_GQA, raising=False)
+    docs = torch.tensor([[i * 100, i * 100 + 90] for i in range(20)], dtype=torch.int32)
+    types = torch.ones(20, dtype=torch.int32)
+    cpu = torch.device("cpu")
+
+    def choice(d, hq, hk):
+        return interface.plan_and_pack(docs, docs, types, 2000, default_config(d), hq, hk, cpu)
+
+    pack, plan = choice(128, 64, 8)
+    assert pack == 8 and int(plan.work[:, 4].max()) <= 2000 and plan.num_work >= 20 * 90 // 16
+    assert choice(64, 12, 4)[0] == 3  # 192 / 3 = 64 tokens per tile
+    pack, plain = choice(128, 12, 4)
+    assert pack == 1 and plain is choice(128, 4, 4)[1]  # the plain plan (cached), as for MHA
+    monkeypatch.setattr(interface, "PACK_GQA", False)
+    assert choice(128, 64, 8)[0] == 1
+
+
 def test_compile_every_variant(tmp_path, monkeypatch):
     """Every compiled variant (normal and accumulate epilogue), for sm_90a, on a machine with no
     GPU; also exercises the disk cache."""

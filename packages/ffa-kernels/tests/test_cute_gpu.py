@@ -190,6 +190,10 @@ def test_short_documents_on_segment_tiles(typ, d, monkeypatch):
     assert any(m0 % 128 for m0 in work[:, 0].tolist()), "the plan is expected to use segment tiles"
     run_case(qr, qr, ty, tq, tq, hq=8, hk=2, d=d, softcap=20.0, max_logits=True, sink_layout="sh")
     run_case(qr, qr, ty, tq, tq, hq=4, hk=4, d=d, dtype=torch.float16)
+    from ffa_kernels.cute import interface
+
+    monkeypatch.setattr(interface, "PACK_GQA", False)  # the GQA case again on unpacked tiles
+    run_case(qr, qr, ty, tq, tq, hq=8, hk=2, d=d, softcap=20.0, max_logits=True, sink_layout="sh")
 
 
 @pytest.mark.sm90
@@ -286,8 +290,12 @@ def test_uncovered_rows_and_empty():
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("pack", [False, None])  # unpacked GQA tiles, and the default choice
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (6, 3), (64, 8), (8, 8)])
-def test_gqa(hq, hk):
+def test_gqa(hq, hk, pack, monkeypatch):
+    from ffa_kernels.cute import interface
+
+    monkeypatch.setattr(interface, "PACK_GQA", pack)
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk)
 

@@ -257,7 +257,8 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
 
 
 def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det, kept=None, grad_dtype=None):
-    """dq, dk, dv (float32) of this rank's rows: the stages' kernels (``det``: each bitwise
+    """dq (the accumulators' dtype, float32 for 16-bit inputs), dk, dv (``grad_dtype``, default
+    the accumulators') of this rank's rows: the stages' kernels (``det``: each bitwise
     repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
 
     The partial [dK, dV] buffers (packed rows like the K/V they belong to) come from
@@ -267,9 +268,9 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
 
     ``kept``: None (degree 0 casts the K/V rows again), or the forward's packed ``[local; remote]``
     K/V rows (`keep_kv`; an empty tensor on a rank whose forward had none: it computes nothing
-    here, and casts nothing either, as no rank does then). ``grad_dtype``: dk and dv come out in
-    it (default float32): the local rows' sums with their owners' are written in it directly,
-    one rounding of the same float32 sums, no float32 total and cast after it."""
+    here, and casts nothing either, as no rank does then). ``grad_dtype``: the local rows' dK/dV
+    sums with their owners' are written in it directly, one rounding of the same float32 sums,
+    no float32 total and cast after it."""
     split = bwd_split(rt.plan.cp_size)  # read (and a bad value raised) before any collective
     tk, hk, d = k.shape
     dev = q.device
@@ -281,7 +282,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         dk = torch.zeros(k.shape, dtype=f32, device=dev)
         dv = torch.zeros(v.shape, dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
-        return dq, dk, dv
+        return dq, dk.to(grad_dtype or f32), dv.to(grad_dtype or f32)
     width = _row_width(k, v)
     parts = Partials.take(rt, (width,), f32, dev)
     # owners' sums of the remote [dK, dV] rows

@@ -15,7 +15,10 @@ Q, K and S = Q K^T have head dim D (``cfg.head_dim``); V, the PV GEMM and O have
 
 One CTA per (work tile, head); the plan (tile_plan.py) lists per work tile its entries
 (slice pieces) and the K/V blocks they need; blocks fully inside a slice skip masking,
-partial ones get the band mask, empty ones are never planned (never loaded).
+partial ones get the band mask, empty ones are never planned (never loaded). With ``pack`` = G
+> 1 (GQA packed tiles, compile-time; not in the accumulate mode) a CTA runs one work tile of
+tile_m / G tokens for one K/V head: its row p is token m0 + p // G of q head hk * G + p % G,
+Q and O travel by TMA through q's storage seen as ((G, Tq), D, Hk).
 
 Two epilogues, chosen at compile time (``accumulate``):
   normal      O in q.dtype through shared memory (Q's buffer, in O's own (tile_m, Dv) layout)

@@ -172,6 +172,19 @@ def choose_pack(g: int, hk: int, plan: TilePlan, packed: TilePlan) -> int:
     return g if packed_cost < plain_cost else 1
 
 
+def plan_and_pack(q_ranges, k_ranges, attn_type_map, total_q: int, cfg: FwdConfig, hq: int, hk: int, device):
+    """``(pack, plan)`` of a forward call: G = hq / hk packed q heads per tile and the plan of
+    tile_m / G tokens per tile where `choose_pack` takes them (GQA, tile_m a multiple of G,
+    packing allowed), else ``(1, the plain plan)``."""
+    plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, device)
+    g = hq // hk
+    if g > 1 and cfg.tile_m % g == 0 and pack_gqa_allowed():
+        packed = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m // g, cfg.tile_n, device)
+        if choose_pack(g, hk, plan, packed) > 1:
+            return g, packed
+    return 1, plan
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """The SM count of CUDA device ``device_index``."""
@@ -402,14 +415,7 @@ def cute_forward(
     )
     if total_q == 0:
         return out, lse, max_logits
-    plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, dev)
-    pack = 1
-    g = hq // k.shape[1]
-    if g > 1 and cfg.tile_m % g == 0 and pack_gqa_allowed():
-        packed_plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m // g, cfg.tile_n, dev)
-        pack = choose_pack(g, k.shape[1], plan, packed_plan)
-        if pack > 1:
-            plan = packed_plan
+    pack, plan = plan_and_pack(q_ranges, k_ranges, attn_type_map, total_q, cfg, hq, k.shape[1], dev)
     if plan.total_blocks == 0 or total_k == 0:  # nothing covered: no launch (and no 0-sized TMA descriptor)
         out.zero_()
         if sink_lse is not None:
