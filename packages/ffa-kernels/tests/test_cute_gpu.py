@@ -681,8 +681,12 @@ def test_mla_varlen_each_type_and_uncovered_rows(typ):
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("pack", [False, None])  # unpacked GQA tiles, and the default choice
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (16, 16)])
-def test_mla_gqa_softcap_sink_and_max_logits(hq, hk):
+def test_mla_gqa_softcap_sink_and_max_logits(hq, hk, pack, monkeypatch):
+    from ffa_kernels.cute import interface
+
+    monkeypatch.setattr(interface, "PACK_GQA", pack)
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk, **MLA)
     run_case(qr, kr, ty, t, t, hq=hq, hk=hk, softcap=20.0, max_logits=True, **MLA)
