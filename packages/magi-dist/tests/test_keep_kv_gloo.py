@@ -4,7 +4,9 @@ backward on any rank (also on a rank that has no work and kept nothing), a bad v
 MAGI_DIST_BWD_SPLIT=1 (remote keys first, their reduce started, then the local keys): the
 single-process result, with and without kept K/V, and two kernel calls where both parts exist,
 the remote keys' (over the whole [local; remote] buffer) before the local keys' (the local rows
-alone). That the reduce overlaps the second call is timing, which only the GPU run shows."""
+alone). MAGI_DIST_FWD_SPLIT=1 (the local keys' forward call while the remote K/V rows travel,
+then the remote keys'): the single-process result, and the calls in that order around the
+cast's wait. That the reduce or the cast overlaps a call is timing, which only the GPU run shows."""
 
 from __future__ import annotations
 
@@ -143,9 +145,82 @@ def test_split_backward_matches_single_process():
         assert all(rows[:3] == [c[0], -1, c[1]] for rows, c in zip(ranks, calls) if len(c) == 2), (i, seen)
 
 
+def split_forward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
+    """Each case with MAGI_DIST_FWD_SPLIT=1, with MAGI_DIST_KEEP_KV and MAGI_DIST_BWD_SPLIT off
+    and on together (checked against one process by `run_case`, max_logits included); per run,
+    in call order, the K rows of each forward kernel call on this rank and -1 where the
+    forward's cast is waited for."""
+    import magi_dist.attn as attn
+
+    real, real_cast, calls, phase = attn.ffa_forward_stage, attn.group_cast, [], ["fwd"]
+
+    def counted(q, k, *args, **kwargs):
+        calls.append(k.shape[0])
+        return real(q, k, *args, **kwargs)
+
+    class _Waited:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            if phase[0] == "fwd":
+                calls.append(-1)
+            return self.work.wait()
+
+    def cast_seen(*args, **kwargs):
+        return _Waited(real_cast(*args, **kwargs))
+
+    attn.ffa_forward_stage, attn.group_cast = counted, cast_seen
+    real_backward = attn._backward
+
+    def backward_seen(*args, **kwargs):
+        phase[0] = "bwd"
+        return real_backward(*args, **kwargs)
+
+    attn._backward = backward_seen
+    os.environ["MAGI_DIST_FWD_SPLIT"] = "1"
+    seen = []
+    try:
+        for case in cases:
+            for both in ("0", "1"):
+                os.environ["MAGI_DIST_KEEP_KV"] = os.environ["MAGI_DIST_BWD_SPLIT"] = both
+                calls.clear()
+                phase[0] = "fwd"
+                run_case(case)
+                seen.append(list(calls))
+    finally:
+        attn.ffa_forward_stage, attn.group_cast, attn._backward = real, real_cast, real_backward
+        for name in ("MAGI_DIST_FWD_SPLIT", "MAGI_DIST_KEEP_KV", "MAGI_DIST_BWD_SPLIT"):
+            os.environ.pop(name, None)
+    return seen
+
+
+def test_split_forward_matches_single_process():
+    cu = [0, 37, 121, 190]
+    window = masks.sliding_window(150, (13, 0), causal=True)
+    cases = [
+        Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=9, max_logits=True),
+        Case.from_mask("sliding-window", window, degree=0, seed=10, sink="sh", hq=4, hk=2),
+        Case.from_mask("mla-dv", masks.varlen(cu, causal=True), degree=0, d=24, dv=16, sink="ssh", seed=11),
+        Case("idle-rank", [[0, 32]], [[0, 192]], [0], 192, degree=0, chunk=16, seed=12),
+    ]
+    seen = run_ranks(3, split_forward, cases, timeout=240)
+    for i in range(2 * (len(cases) - 1)):  # every case but idle-rank, switches off and on
+        ranks = [per_rank[i] for per_rank in seen]
+        # some rank split its forward (else nothing was tested): the local keys' call on the
+        # local rows before the cast is waited for, the remote keys' over [local; remote] after
+        split = [rows for rows in ranks if len([r for r in rows if r >= 0]) == 2]
+        assert split, (i, seen)
+        assert all(rows[1] == -1 and rows[0] < rows[2] for rows in split), (i, seen)
+
+
 @pytest.mark.parametrize(
     "name, read, args, bad",
-    [("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"), ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on")],
+    [
+        ("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"),
+        ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on"),
+        ("MAGI_DIST_FWD_SPLIT", "fwd_split", (), "true"),
+    ],
 )
 def test_a_bad_switch_value_is_named(monkeypatch, name, read, args, bad):
     import magi_dist.attn as attn

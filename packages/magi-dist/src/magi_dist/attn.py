@@ -10,7 +10,8 @@ same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows 
 which then casts nothing: one collective less per step, for the memory of those rows. With
 ``MAGI_DIST_BWD_SPLIT=1`` (the default from cp 4 on) the degree-0 backward computes the remote
 keys' part first, starts their dK/dV reduce, and computes the local keys' part while it travels
-(two kernel calls instead of one; the same collectives).
+(two kernel calls instead of one; the same collectives). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does
+the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -46,6 +47,7 @@ ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
+ENV_FWD_SPLIT = "MAGI_DIST_FWD_SPLIT"
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -77,6 +79,15 @@ def bwd_split(cp_size: int) -> bool:
     reduce overlaps the local keys' kernel; unset: split from ``BWD_SPLIT_MIN_CP`` ranks on,
     where the reduce moves more of a step than at cp 2."""
     return _flag(ENV_BWD_SPLIT, default=cp_size >= BWD_SPLIT_MIN_CP)
+
+
+def fwd_split() -> bool:
+    """``$MAGI_DIST_FWD_SPLIT`` (read at each forward; ranks may differ, as it changes no
+    collective): ``1`` splits the degree-0 forward by keys, the local keys' kernel running while
+    the remote K/V rows travel, the remote keys' after them, merged in float32 accumulators;
+    ``0`` or unset: one call over ``[local; remote]`` once they have arrived (opt-in until
+    measured: the split hides the cast but adds a float32 pass over the output)."""
+    return _flag(ENV_FWD_SPLIT)
 
 
 def keep_kv() -> bool:
@@ -151,6 +162,25 @@ def _concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor) -> torch.T
     work, _ = _start_cast(rt, kv[:t], 0, kv[t:])
     work.wait()
     return kv
+
+
+def _split_concat_forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
+    """Degree 0 split by keys (`fwd_split`): ``(kv, (out, lse, max_logits))`` with ``kv`` the
+    packed ``[local; remote]`` rows, as `_concat_kv` gives them. The local keys' part runs on the
+    local rows alone (``kv[:T]``: no kernel reads a row the cast is writing) while the remote
+    rows arrive, the remote keys' part over the whole buffer after them; the sink once at the end."""
+    t, hk, d = k.shape
+    kv = _pack(k, v, rt.cast_args[0].num_recv_tokens)
+    work, _ = _start_cast(rt, kv[:t], 0, kv[t:])
+    parts = rt.concat_parts(q.device)
+    assert parts is not None  # a degree-0 rank with remote keys has its concatenated stage
+    local, remote = parts
+    out, lse, ml = forward_accumulators(q, max_logits=want_max, head_dim_v=v.shape[2])
+    _fwd_stage(q, *_split(kv[:t], hk, d), local, out, lse, ml, scale, softcap)
+    work.wait()
+    _fwd_stage(q, *_split(kv, hk, d), remote, out, lse, ml, scale, softcap)
+    apply_sink(out, lse, sink, sink_layout)
+    return kv, (out.to(q.dtype), lse, ml)
 
 
 def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
@@ -237,11 +267,14 @@ def _staged(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wan
 def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
     """``(out, lse, max_logits, kv)``: ``kv`` the degree-0 call's packed ``[local; remote]``
     K/V rows (None on the other paths), which the backward may reuse."""
+    split = fwd_split()  # read (and a bad value raised) on every rank before any collective
     dev = q.device
     single = (sink, sink_layout, scale, softcap, want_max)
     remote = rt.remote_tensors(dev)[0] if rt.me.calc.kv_concat else None
     kv = None
-    if remote is not None and not remote.empty:
+    if remote is not None and not remote.empty and split:
+        kv, (out, lse, ml) = _split_concat_forward(rt, q, k, v, *single)
+    elif remote is not None and not remote.empty:
         kv = _concat_kv(rt, k, v)
         out, lse, ml = _single_stage(q, *_split(kv, *k.shape[1:]), remote, *single)
     elif not rt.cast_args and not (host := rt.host_tensors(dev)).empty:
