@@ -390,14 +390,14 @@ def test_choose_pack_by_plan_cost(monkeypatch):
     long = plans([[0, 4096]], [0], 4096)  # the same blocks packed or not: a tie keeps it plain
     assert short[1].total_blocks < short[0].total_blocks * 8 / 2  # the packed plan's saving
     assert interface.pack_gqa_allowed()
-    assert interface.choose_pack(8, 8, *short) == 8
-    assert interface.choose_pack(8, 8, *long) == 1
+    assert interface.choose_pack(8, *short) == 8
+    assert interface.choose_pack(8, *long) == 1
     monkeypatch.setenv(interface.ENV_PACK_GQA, "1")
-    assert interface.choose_pack(8, 8, *long) == 8
+    assert interface.choose_pack(8, *long) == 8
     monkeypatch.setenv(interface.ENV_PACK_GQA, "0")
     assert not interface.pack_gqa_allowed()
     monkeypatch.setattr(interface, "PACK_GQA", True)  # the module setting wins over the env
-    assert interface.pack_gqa_allowed() and interface.choose_pack(8, 8, *long) == 8
+    assert interface.pack_gqa_allowed() and interface.choose_pack(8, *long) == 8
     monkeypatch.setattr(interface, "PACK_GQA", False)
     assert not interface.pack_gqa_allowed()
 

@@ -16,7 +16,7 @@ from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, current_stream_handle, make_launcher
-from .tile_plan import TILE_COST_BLOCKS, TilePlan, get_plan
+from .tile_plan import TilePlan, get_plan
 
 logger = logging.getLogger(__name__)
 
@@ -159,17 +159,16 @@ def _pack_setting() -> bool | None:
     return _PACK_ENV.get(os.environ.get(ENV_PACK_GQA, "").strip().lower())
 
 
-def choose_pack(g: int, hk: int, plan: TilePlan, packed: TilePlan) -> int:
+def choose_pack(g: int, plan: TilePlan, packed: TilePlan) -> int:
     """``g`` (pack the G q heads of each K/V head into a tile) when the packed plan costs less
-    than the plain one over all heads (`plan_cost`'s blocks plus a block per work tile; forced
-    by `PACK_GQA` = True or $FFA_PACK_GQA=1), else 1. Short documents gain: at 32k causal with
-    128 x 128 blocks, blocks over the mask's ideal per head fall from 1.71 to 1.43 (many short
-    documents) and 1.10 to 1.05 (12 of uniform length) with 8 heads packed."""
+    over all heads than the plain one (`TilePlan.cost` per CTA head: the plain plan runs for G
+    times as many; forced by `PACK_GQA` = True or $FFA_PACK_GQA=1), else 1. Short documents
+    gain: at 32k causal with 128 x 128 blocks, blocks over the mask's ideal per head fall from
+    1.71 to 1.43 (many short documents) and 1.10 to 1.05 (12 of uniform length) with 8 heads
+    packed."""
     if _pack_setting() is True:
         return g
-    plain_cost = (plan.total_blocks + TILE_COST_BLOCKS * plan.num_work) * hk * g
-    packed_cost = (packed.total_blocks + TILE_COST_BLOCKS * packed.num_work) * hk
-    return g if packed_cost < plain_cost else 1
+    return g if packed.cost() < plan.cost() * g else 1
 
 
 def plan_and_pack(q_ranges, k_ranges, attn_type_map, total_q: int, cfg: FwdConfig, hq: int, hk: int, device):
@@ -180,7 +179,7 @@ def plan_and_pack(q_ranges, k_ranges, attn_type_map, total_q: int, cfg: FwdConfi
     g = hq // hk
     if g > 1 and cfg.tile_m % g == 0 and pack_gqa_allowed():
         packed = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m // g, cfg.tile_n, device)
-        if choose_pack(g, hk, plan, packed) > 1:
+        if choose_pack(g, plan, packed) > 1:
             return g, packed
     return 1, plan
 

@@ -62,6 +62,10 @@ class TilePlan:
     # q block (`visit_ranks`)
     ranks: torch.Tensor | None = None
 
+    def cost(self) -> int:
+        """`plan_cost` of this plan (per head)."""
+        return tile_cost(self.total_blocks, self.num_work)
+
 
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return torch.div(a + (b - 1), b, rounding_mode="floor")
@@ -260,9 +264,15 @@ TILE_COST_BLOCKS = 1
 
 
 def plan_cost(plan: tuple[torch.Tensor, torch.Tensor, int]) -> int:
-    """A forward plan's cost in K/V blocks: its blocks plus `TILE_COST_BLOCKS` per work tile."""
+    """A forward plan's cost in K/V blocks (`tile_cost`), from a builder's ``(work, entries,
+    total_blocks)``."""
     work, _, total_blocks = plan
-    return total_blocks + TILE_COST_BLOCKS * work.shape[0]
+    return tile_cost(total_blocks, work.shape[0])
+
+
+def tile_cost(total_blocks: int, num_work: int) -> int:
+    """A plan's cost in K/V blocks: its blocks plus `TILE_COST_BLOCKS` per work tile."""
+    return total_blocks + TILE_COST_BLOCKS * num_work
 
 
 def rows_disjoint(qs: torch.Tensor, qe: torch.Tensor) -> bool:
