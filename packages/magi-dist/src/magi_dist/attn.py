@@ -69,7 +69,8 @@ def dsink_reduce() -> str:
 
 
 # cp sizes from which the degree-0 backward is split by default: cp 4 varlen causal / full 64k
-# step +1% / +14% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (docs/perf.md)
+# step +1% / +14% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (before the reserved reduce
+# buffer of magi_dist.partials; docs/perf.md)
 BWD_SPLIT_MIN_CP = 4
 
 
@@ -157,11 +158,18 @@ def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor,
 def _concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Degree 0: ``[local; remote]`` K/V rows in one packed ``(T + R, W)`` tensor, the
     remote rows cast straight into its tail (waited for)."""
+    kv, work = _start_concat_kv(rt, k, v)
+    work.wait()
+    return kv
+
+
+def _start_concat_kv(rt: DistAttnRuntime, k: torch.Tensor, v: torch.Tensor):
+    """`_concat_kv` without the wait: ``(kv, work)``, the remote rows still travelling into
+    ``kv[T:]`` until ``work.wait()``."""
     t = k.shape[0]
     kv = _pack(k, v, rt.cast_args[0].num_recv_tokens)
     work, _ = _start_cast(rt, kv[:t], 0, kv[t:])
-    work.wait()
-    return kv
+    return kv, work
 
 
 def _split_concat_forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, want_max):
@@ -170,8 +178,7 @@ def _split_concat_forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale
     local rows alone (``kv[:T]``: no kernel reads a row the cast is writing) while the remote
     rows arrive, the remote keys' part over the whole buffer after them; the sink once at the end."""
     t, hk, d = k.shape
-    kv = _pack(k, v, rt.cast_args[0].num_recv_tokens)
-    work, _ = _start_cast(rt, kv[:t], 0, kv[t:])
+    kv, work = _start_concat_kv(rt, k, v)
     parts = rt.concat_parts(q.device)
     assert parts is not None  # a degree-0 rank with remote keys has its concatenated stage
     local, remote = parts
