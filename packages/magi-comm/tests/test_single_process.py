@@ -276,6 +276,18 @@ def test_group_collective_lifecycle():
     gc.close()  # idempotent
 
 
+def _stub_backend(name: str, **methods) -> str:
+    """Register a backend that does nothing but ``methods`` (a no-op constructor and close
+    beside them); returns the name it is registered under."""
+
+    def init(self, group, rank, world_size):
+        pass
+
+    cls = type(name, (), {"name": name, "__init__": init, "close": lambda self: None, **methods})
+    magi_comm.register_backend(f"{name}-test", cls)
+    return f"{name}-test"
+
+
 def test_empty_output_falls_back_to_plain_tensors():
     """a2av has no symmetric outputs: empty_output is torch.empty, free_output a no-op; a
     backend that has them gets the calls."""
@@ -287,24 +299,15 @@ def test_empty_output_falls_back_to_plain_tensors():
         gc.free_output(out)
     calls = []
 
-    class WithOutputs:
-        name = "with-outputs"
+    def empty_output(self, shape, dtype):
+        calls.append(("empty", tuple(shape), dtype))
+        return torch.zeros(shape, dtype=dtype)
 
-        def __init__(self, group, rank, world_size):
-            pass
+    def free_output(self, tensor):
+        calls.append(("free", tuple(tensor.shape)))
 
-        def empty_output(self, shape, dtype):
-            calls.append(("empty", tuple(shape), dtype))
-            return torch.zeros(shape, dtype=dtype)
-
-        def free_output(self, tensor):
-            calls.append(("free", tuple(tensor.shape)))
-
-        def close(self):
-            pass
-
-    magi_comm.register_backend("with-outputs-test", WithOutputs)
-    with GroupCollective(backend="with-outputs-test") as gc:
+    name = _stub_backend("with-outputs", empty_output=empty_output, free_output=free_output)
+    with GroupCollective(backend=name) as gc:
         gc.free_output(gc.empty_output((4,), torch.int8))
     assert calls == [("empty", (4,), torch.int8), ("free", (4,))]
 
@@ -315,21 +318,8 @@ def test_reserve_rows_reaches_backends_that_have_it():
     with GroupCollective() as gc:
         gc.reserve_rows(1000, 4096)  # a2av: no buffer, nothing happens
     calls = []
-
-    class WithBuffer:
-        name = "with-buffer"
-
-        def __init__(self, group, rank, world_size):
-            pass
-
-        def reserve_rows(self, rows_per_peer, row_bytes):
-            calls.append((rows_per_peer, row_bytes))
-
-        def close(self):
-            pass
-
-    magi_comm.register_backend("with-buffer-test", WithBuffer)
-    with GroupCollective(backend="with-buffer-test") as gc:
+    name = _stub_backend("with-buffer", reserve_rows=lambda self, rows, nbytes: calls.append((rows, nbytes)))
+    with GroupCollective(backend=name) as gc:
         gc.reserve_rows(7, 256)
         gc.reserve_rows(0, 256)
         gc.reserve_rows(7, 0)
