@@ -1,5 +1,5 @@
-"""Small shared types: the mask-type integer codes, the forward metadata dataclass, and
-`as_dtype`.
+"""Small shared types: the mask-type integer codes and the forward metadata dataclass (what
+``ffa_kernels`` re-exports, `__all__`), and `as_dtype`, an internal helper its modules share.
 
 `ffa_kernels` must install and work alone (see docs/api.md), so it does not import `magi_solver`'s
 `AttnMaskType`; it only speaks the integer codes that both packages agree on.
@@ -12,16 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "BICAUSAL",
-    "CAUSAL",
-    "FULL",
-    "INVCAUSAL",
-    "AttnForwardMeta",
-    "MaskType",
-    "as_dtype",
-    "mask_type_code",
-]
+__all__ = ["BICAUSAL", "CAUSAL", "FULL", "INVCAUSAL", "AttnForwardMeta", "MaskType", "mask_type_code"]
 
 
 class MaskType(enum.IntEnum):
