@@ -98,12 +98,20 @@ def on_gloo(rank: int, world: int, argvs: list[list[str]]) -> tuple[list[float],
 
 def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
     tiny = ["--totals", "512", "--hq", "2", "--hk", "1", "--d", "16", "--chunk", "64", "--iters", "1"]
-    argvs = [[*tiny, "--step", "--masks", "varlen_causal,full"], [*tiny, "--masks", "causal"]]
+    argvs = [
+        [*tiny, "--step", "--masks", "varlen_causal,full"],
+        [*tiny, "--masks", "causal"],
+        [*tiny, "--step", "--masks", "causal", "--no-baselines"],
+    ]
     ranks = run_ranks(2, on_gloo, argvs, timeout=180)
     for rank, (errs, _) in enumerate(ranks):
         assert max(errs) < 1e-12, (rank, errs)  # all-gather CP: out, dq, dk, dv against one process
-    step, fwd = ranks[0][1]
+    step, fwd, magi_only = ranks[0][1]
     lines = step.strip().splitlines()
     assert lines[-4] == _tool("bench_dist").STEP_HEADER
     assert lines[-2].startswith("| varlen causal 512 | ") and lines[-1].startswith("| full 512 | ")
     assert "| causal 512 | " in fwd and "K/V bytes received per rank" in fwd
+    # --no-baselines: the magi step and the whole mask on one GPU, every baseline's cell empty
+    row = magi_only.strip().splitlines()[-1].split(" | ")
+    assert row[0] == "| causal 512" and row[1] != "–" and row[6] != "–" and row[7] != "–"
+    assert row[2:6] == ["–"] * 4 and row[8:12] == ["–"] * 4

@@ -418,6 +418,21 @@ def measure_forward(case: BenchCase, args, group, device, dtype) -> tuple[tuple,
     return row, traffic
 
 
+def _whole_step_time(case: BenchCase, args, s: _Setup, device, det: bool) -> float:
+    """Seconds of one FFA forward + backward over the whole mask on this rank's GPU."""
+    total = case.total
+    wq, wk, wv = (s.rnd(total, h).requires_grad_() for h in (args.hq, args.hk, args.hk))
+    wdout = s.rnd(total, args.hq)
+    qr, kr, ty = case.mask.to_lists()
+    wargs = (_as_t(qr, device), _as_t(kr, device), torch.tensor(ty, dtype=torch.int32, device=device))
+
+    def whole_step():
+        out = flex_flash_attn_func(wq, wk, wv, *wargs, deterministic=det)[0]
+        torch.autograd.grad(out, (wq, wk, wv), wdout)
+
+    return s.time(whole_step)
+
+
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     s = _Setup(case, args, group, device, dtype)
     det = args.deterministic
@@ -431,6 +446,11 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     t_magi = s.time(magi_step)
     if args.trace:
         trace(magi_step, f"step_{case.kind}_cp{s.cp}_deg{args.degree}", s.rank, group)
+    t_whole = _whole_step_time(case, args, s, device, det) if args.whole else float("nan")
+    flops = attn_flops(case.mask.area(), args.hq, args.d, step=True)
+    if not args.baselines:
+        nan = float("nan")
+        return StepRow(case.name, flops, nan, t_magi, nan, nan, t_whole, nan, nan, s.rt.plan.stats.imbalance)
 
     qd = q.detach()
 
@@ -453,20 +473,6 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
         torch.autograd.grad(out, (q, k_all, v_all), dout)
 
     t_one = s.time(one_step)
-    t_whole = float("nan")
-    if args.whole:
-        mask, total = case.mask, case.total
-        wq, wk, wv = (s.rnd(total, h).requires_grad_() for h in (args.hq, args.hk, args.hk))
-        wdout = s.rnd(total, args.hq)
-        qr, kr, ty = mask.to_lists()
-        wargs = (_as_t(qr, device), _as_t(kr, device), torch.tensor(ty, dtype=torch.int32, device=device))
-
-        def whole_step():
-            out = flex_flash_attn_func(wq, wk, wv, *wargs, deterministic=det)[0]
-            torch.autograd.grad(out, (wq, wk, wv), wdout)
-
-        t_whole = s.time(whole_step)
-        del wq, wk, wv, wdout
     ag = AllGatherCP(case.mask, group, args.chunk)
 
     def ag_step():
@@ -485,7 +491,7 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
                 print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
     return StepRow(
         case.name,
-        attn_flops(case.mask.area(), args.hq, args.d, step=True),
+        flops,
         ring_flops,
         t_magi,
         t_stages,
@@ -527,6 +533,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="--step: also time FFA forward + backward of the whole mask on one GPU (every rank)",
+    )
+    ap.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--step: also time the same stages without comm, one FFA over the same rows, "
+        "all-gather and ring CP (--no-baselines: the magi step and --whole only, for A/B runs of "
+        "settings)",
     )
     ap.add_argument(
         "--comm-priority",

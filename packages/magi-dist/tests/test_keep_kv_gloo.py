@@ -220,6 +220,7 @@ def test_split_forward_matches_single_process():
         ("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"),
         ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on"),
         ("MAGI_DIST_FWD_SPLIT", "fwd_split", (), "true"),
+        ("MAGI_DIST_BWD_LOW_PRECISION_REDUCE", "bwd_reduce_dtype", (torch.float32, torch.bfloat16), "bf16"),
     ],
 )
 def test_a_bad_switch_value_is_named(monkeypatch, name, read, args, bad):
@@ -241,3 +242,48 @@ def test_the_backward_splits_from_cp_4_unless_told(monkeypatch, value, cp, split
     else:
         monkeypatch.setenv("MAGI_DIST_BWD_SPLIT", value)
     assert attn.bwd_split(cp) is split
+
+
+def low_precision_reduce(rank: int, world: int, cases: list[Case]) -> list[list[tuple[str, str]]]:
+    """Each case with MAGI_DIST_BWD_LOW_PRECISION_REDUCE off, then on (checked against one
+    process by `run_case` at the case's tolerance); per run, the (input, output) dtypes of each
+    group_reduce started."""
+    import magi_dist.attn as attn
+
+    real, calls = attn.group_reduce, []
+
+    def reduce_seen(partial, out, *args, **kwargs):
+        calls.append((str(partial.dtype), str(out.dtype)))
+        return real(partial, out, *args, **kwargs)
+
+    attn.group_reduce = reduce_seen
+    seen = []
+    try:
+        for case in cases:
+            for low in ("0", "1"):
+                os.environ[attn.ENV_BWD_LOW_PRECISION_REDUCE] = low
+                calls.clear()
+                run_case(case)
+                seen.append(list(calls))
+    finally:
+        attn.group_reduce = real
+        os.environ.pop(attn.ENV_BWD_LOW_PRECISION_REDUCE, None)
+    return seen
+
+
+def test_low_precision_reduce_sums_partials_in_the_inputs_dtype():
+    cu = [0, 37, 121, 190]
+    cases = [
+        Case.from_mask(
+            "bf16 degree 0", masks.varlen(cu, causal=True), degree=0, seed=13, dtype="bfloat16", tol=3e-2
+        ),
+        Case.from_mask(
+            "bf16 staged", masks.varlen(cu, causal=False), degree=2, seed=14, dtype="bfloat16", tol=3e-2
+        ),
+        Case.from_mask("float64", masks.varlen(cu, causal=True), degree=0, seed=15),
+    ]
+    seen = run_ranks(3, low_precision_reduce, cases, timeout=240)
+    f32, bf16, f64 = "torch.float32", "torch.bfloat16", "torch.float64"
+    for per_rank in seen:
+        for run, want in zip(per_rank, [f32, bf16, f32, bf16, f64, f64]):
+            assert run and all(pair == (want, want) for pair in run), (want, per_rank)

@@ -12,6 +12,9 @@ which then casts nothing: one collective less per step, for the memory of those 
 keys' part first, starts their dK/dV reduce, and computes the local keys' part while it travels
 (two kernel calls instead of one; the same collectives). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does
 the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
+``MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1`` (opt-in, the same on every rank) reduces the partial
+dK/dV in the inputs' dtype instead of float32, as MagiAttention does by default: half the bytes,
+one more rounding of each partial.
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -48,6 +51,7 @@ _DSINK_OPS = ("none", "sum", "avg")
 ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
 ENV_FWD_SPLIT = "MAGI_DIST_FWD_SPLIT"
+ENV_BWD_LOW_PRECISION_REDUCE = "MAGI_DIST_BWD_LOW_PRECISION_REDUCE"
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -69,8 +73,9 @@ def dsink_reduce() -> str:
 
 
 # cp sizes from which the degree-0 backward is split by default: cp 4 varlen causal / full 64k
-# step +1% / +14% with it (one run, 4x H100), cp 2 -1.2 to -4.7% (before the reserved reduce
-# buffer of magi_dist.partials; docs/perf.md)
+# step +1% / +14% with it (one run, 4x H100); cp 2 (2x H100, two alternating runs, with the
+# reserved reduce buffer) -3.7% on varlen causal 64k, +2.0% on 128k, within 1.3% elsewhere
+# (docs/perf.md)
 BWD_SPLIT_MIN_CP = 4
 
 
@@ -86,9 +91,19 @@ def fwd_split() -> bool:
     """``$MAGI_DIST_FWD_SPLIT`` (read at each forward; ranks may differ, as it changes no
     collective): ``1`` splits the degree-0 forward by keys, the local keys' kernel running while
     the remote K/V rows travel, the remote keys' after them, merged in float32 accumulators;
-    ``0`` or unset: one call over ``[local; remote]`` once they have arrived (opt-in until
-    measured: the split hides the cast but adds a float32 pass over the output)."""
+    ``0`` or unset: one call over ``[local; remote]`` once they have arrived (opt-in: the
+    float32 pass over the output cost more than the cast it hides, -0.5 to -4.9% per step at
+    cp 2 and cp 4 on H100s; docs/perf.md)."""
     return _flag(ENV_FWD_SPLIT)
+
+
+def bwd_reduce_dtype(acc_dtype: torch.dtype, input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the backward's partial [dK, dV] rows travel and are summed in:
+    ``$MAGI_DIST_BWD_LOW_PRECISION_REDUCE`` = ``1``: ``input_dtype`` (bf16 / fp16 inputs: half
+    the bytes of float32, each partial rounded once more before its owner adds it; the
+    owner's own rows stay in ``acc_dtype``); ``0`` or unset: ``acc_dtype``. Read at each
+    backward; it must be the same on every rank (the reduce's rows are typed alike)."""
+    return input_dtype if _flag(ENV_BWD_LOW_PRECISION_REDUCE) else acc_dtype
 
 
 def keep_kv() -> bool:
@@ -138,9 +153,30 @@ def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int, buf: torch.Te
     return work, buf
 
 
+class _HeldWork:
+    """A collective's work that keeps ``held`` (its input, made for it) alive until waited: the
+    caching allocator must not hand that memory out while the collective may still read it."""
+
+    def __init__(self, work, held: torch.Tensor):
+        self.work = work
+        self.held: torch.Tensor | None = held
+
+    def wait(self) -> None:
+        self.work.wait()  # the caller's stream now waits for the collective: the input may go
+        self.held = None
+
+
 def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor, stage: int):
-    """Begin summing stage ``stage``'s partial ``[dK, dV]`` rows into their owners' ``out``."""
+    """Begin summing stage ``stage``'s partial ``[dK, dV]`` rows into their owners' ``out``,
+    cast first to ``out``'s dtype where it differs (`bwd_reduce_dtype`)."""
     a = rt.kv_reduce_args(stage)
+    if partial.dtype != out.dtype:
+        partial = partial.to(out.dtype)
+        return _HeldWork(_reduce(rt, a, partial, out), partial)
+    return _reduce(rt, a, partial, out)
+
+
+def _reduce(rt: DistAttnRuntime, a, partial: torch.Tensor, out: torch.Tensor):
     return group_reduce(
         partial,
         out,
@@ -326,7 +362,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     width = _row_width(k, v)
     parts = Partials.take(rt, (width,), f32, dev)
     # owners' sums of the remote [dK, dV] rows
-    dkv_remote = torch.zeros((tk, width), dtype=f32, device=dev)
+    dkv_remote = torch.zeros((tk, width), dtype=bwd_reduce_dtype(f32, q.dtype), device=dev)
     if rt.me.calc.kv_concat:
         dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common, kept, split)
     else:
