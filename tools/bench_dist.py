@@ -446,10 +446,10 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     t_magi = s.time(magi_step)
     if args.trace:
         trace(magi_step, f"step_{case.kind}_cp{s.cp}_deg{args.degree}", s.rank, group)
-    t_whole = _whole_step_time(case, args, s, device, det) if args.whole else float("nan")
     flops = attn_flops(case.mask.area(), args.hq, args.d, step=True)
     if not args.baselines:
         nan = float("nan")
+        t_whole = _whole_step_time(case, args, s, device, det) if args.whole else nan
         return StepRow(case.name, flops, nan, t_magi, nan, nan, t_whole, nan, nan, s.rt.plan.stats.imbalance)
 
     qd = q.detach()
@@ -473,6 +473,7 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
         torch.autograd.grad(out, (q, k_all, v_all), dout)
 
     t_one = s.time(one_step)
+    t_whole = _whole_step_time(case, args, s, device, det) if args.whole else float("nan")
     ag = AllGatherCP(case.mask, group, args.chunk)
 
     def ag_step():

@@ -6,7 +6,9 @@ single-process result, with and without kept K/V, and two kernel calls where bot
 the remote keys' (over the whole [local; remote] buffer) before the local keys' (the local rows
 alone). MAGI_DIST_FWD_SPLIT=1 (the local keys' forward call while the remote K/V rows travel,
 then the remote keys'): the single-process result, and the calls in that order around the
-cast's wait. That the reduce or the cast overlaps a call is timing, which only the GPU run shows."""
+cast's wait. MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1: the partials summed in the inputs' dtype; the
+degree-0 backward in one call adds the owners' sums into its own buffer's local rows. That the
+reduce or the cast overlaps a call is timing, which only the GPU run shows."""
 
 from __future__ import annotations
 
@@ -244,34 +246,44 @@ def test_the_backward_splits_from_cp_4_unless_told(monkeypatch, value, cp, split
     assert attn.bwd_split(cp) is split
 
 
-def low_precision_reduce(rank: int, world: int, cases: list[Case]) -> list[list[tuple[str, str]]]:
-    """Each case with MAGI_DIST_BWD_LOW_PRECISION_REDUCE off, then on (checked against one
-    process by `run_case` at the case's tolerance); per run, the (input, output) dtypes of each
-    group_reduce started."""
+SWITCH_RUNS = (("0", "0"), ("1", "0"), ("0", "1"))  # (BWD_LOW_PRECISION_REDUCE, BWD_SPLIT)
+
+
+def reduce_targets(rank: int, world: int, cases: list[Case]) -> list[list[tuple[str, str, bool]]]:
+    """Each case under each of `SWITCH_RUNS` (checked against one process by `run_case` at the
+    case's tolerance); per run, for each group_reduce started, the input and output dtypes and
+    whether the output lies in the input's buffer (the local rows of the [dK, dV] buffer)."""
     import magi_dist.attn as attn
 
     real, calls = attn.group_reduce, []
 
     def reduce_seen(partial, out, *args, **kwargs):
-        calls.append((str(partial.dtype), str(out.dtype)))
+        same = out.untyped_storage().data_ptr() == partial.untyped_storage().data_ptr()
+        calls.append((str(partial.dtype), str(out.dtype), same))
         return real(partial, out, *args, **kwargs)
 
     attn.group_reduce = reduce_seen
     seen = []
     try:
         for case in cases:
-            for low in ("0", "1"):
+            for low, split in SWITCH_RUNS:
                 os.environ[attn.ENV_BWD_LOW_PRECISION_REDUCE] = low
+                os.environ[attn.ENV_BWD_SPLIT] = split
                 calls.clear()
                 run_case(case)
                 seen.append(list(calls))
     finally:
         attn.group_reduce = real
         os.environ.pop(attn.ENV_BWD_LOW_PRECISION_REDUCE, None)
+        os.environ.pop(attn.ENV_BWD_SPLIT, None)
     return seen
 
 
-def test_low_precision_reduce_sums_partials_in_the_inputs_dtype():
+def test_backward_reduce_dtype_and_target():
+    """MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1 sums the partials in the inputs' dtype (bf16
+    here; float64 inputs: unchanged); the degree-0 backward in one call adds the owners' sums
+    straight into the local rows of its [dK, dV] buffer, the split one and the staged one into
+    a buffer apart."""
     cu = [0, 37, 121, 190]
     cases = [
         Case.from_mask(
@@ -282,8 +294,13 @@ def test_low_precision_reduce_sums_partials_in_the_inputs_dtype():
         ),
         Case.from_mask("float64", masks.varlen(cu, causal=True), degree=0, seed=15),
     ]
-    seen = run_ranks(3, low_precision_reduce, cases, timeout=240)
+    seen = run_ranks(3, reduce_targets, cases, timeout=240)
     f32, bf16, f64 = "torch.float32", "torch.bfloat16", "torch.float64"
+    want = [
+        (f32, f32, True), (bf16, bf16, False), (f32, f32, False),  # degree 0: one call, low, split
+        (f32, f32, False), (bf16, bf16, False), (f32, f32, False),  # staged
+        (f64, f64, True), (f64, f64, True), (f64, f64, False),  # float64: no lower dtype
+    ]  # fmt: skip
     for per_rank in seen:
-        for run, want in zip(per_rank, [f32, bf16, f32, bf16, f64, f64]):
-            assert run and all(pair == (want, want) for pair in run), (want, per_rank)
+        for run, w in zip(per_rank, want, strict=True):
+            assert run and all(call == w for call in run), (w, per_rank)

@@ -301,6 +301,23 @@ def test_plain_partials_without_symmetric_outputs_or_budget(monkeypatch):
         assert gc.reserved == [(9 // 2 + 1, 64)]
 
 
+def test_partials_reduced_in_another_dtype_are_plain_and_reserve_its_rows(monkeypatch):
+    """MAGI_DIST_BWD_LOW_PRECISION_REDUCE: the float32 buffers are cast before they travel, so no
+    pool (receivers could not read them in place) and the reserve counts the cast rows."""
+    gc = _FakeCollective()
+    monkeypatch.setattr(partials, "get_group_collective", lambda group: gc)
+    monkeypatch.setenv(partials.ENV_SYMMETRIC_MB, "256")
+    p = partials.Partials.take(
+        _Rt([5], [9]), (2, 4), torch.float32, torch.device("cpu"), reduce_dtype=torch.bfloat16
+    )
+    assert not p.symmetric(0) and gc.calls == [] and p.zeros(0, 5).dtype == torch.float32
+    assert gc.reserved == [(9 // 2 + 1, 16)]  # 8 bfloat16 per row
+    partials.Partials.take(
+        _Rt([5], [9]), (2, 4), torch.float32, torch.device("cpu"), reduce_dtype=torch.float32
+    )
+    assert gc.calls and gc.reserved[-1] == (9 // 2 + 1, 32)  # the same dtype: pooled, float32 rows
+
+
 def test_max_pair_rows_is_the_plan_s_most_between_two_ranks():
     """The most rows one rank receives from one peer in one stage (so sends back in the
     reduce), counted here from the senders' side of the casts (input splits and their

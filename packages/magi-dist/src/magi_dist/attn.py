@@ -14,7 +14,7 @@ keys' part first, starts their dK/dV reduce, and computes the local keys' part w
 the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
 ``MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1`` (opt-in, the same on every rank) reduces the partial
 dK/dV in the inputs' dtype instead of float32, as MagiAttention does by default: half the bytes,
-one more rounding of each partial.
+each partial and the owner's sum of them per stage rounded to that dtype.
 
 K and V travel as one packed row per token, ``(T, Hk * D + Hk * Dv)``: the token's K heads, then
 its V heads; the kernels read the two halves in place (``_split``), so received rows are never
@@ -100,9 +100,11 @@ def fwd_split() -> bool:
 def bwd_reduce_dtype(acc_dtype: torch.dtype, input_dtype: torch.dtype) -> torch.dtype:
     """The dtype the backward's partial [dK, dV] rows travel and are summed in:
     ``$MAGI_DIST_BWD_LOW_PRECISION_REDUCE`` = ``1``: ``input_dtype`` (bf16 / fp16 inputs: half
-    the bytes of float32, each partial rounded once more before its owner adds it; the
-    owner's own rows stay in ``acc_dtype``); ``0`` or unset: ``acc_dtype``. Read at each
-    backward; it must be the same on every rank (the reduce's rows are typed alike)."""
+    the bytes of float32; each partial is rounded to it before it travels, and the owner's sum
+    of the remote partials after each reduce, i.e. once per stage; the owner's own rows stay in
+    ``acc_dtype`` until the final sum; the symmetric partials pool is not used); ``0`` or
+    unset: ``acc_dtype``. Read at each backward, before its first collective; it must be the
+    same on every rank (the reduce's rows are typed alike)."""
     return input_dtype if _flag(ENV_BWD_LOW_PRECISION_REDUCE) else acc_dtype
 
 
@@ -360,20 +362,23 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
         return dq, dk.to(grad_dtype or f32), dv.to(grad_dtype or f32)
     width = _row_width(k, v)
-    parts = Partials.take(rt, (width,), f32, dev)
-    # owners' sums of the remote [dK, dV] rows
-    dkv_remote = torch.zeros((tk, width), dtype=bwd_reduce_dtype(f32, q.dtype), device=dev)
+    red_dtype = bwd_reduce_dtype(f32, q.dtype)  # read before Partials.take's collectives
+    parts = Partials.take(rt, (width,), f32, dev, reduce_dtype=red_dtype)
+    dkv_remote: torch.Tensor | None  # owners' sums of the remote [dK, dV] rows, where kept apart
     if rt.me.calc.kv_concat:
-        dkv, reduces = _backward_concat(rt, parts, k, v, dkv_remote, common, kept, split)
+        dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, kept, split, red_dtype)
     else:
+        dkv_remote = torch.zeros((tk, width), dtype=red_dtype, device=dev)
         dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
     parts.done()  # every reduce is waited: the next call may reuse the buffers
     if rt.me.calc.kv_concat:
         dk, dv = _split(dkv[:tk], hk, d)  # the local rows' own gradients (maybe in the pool)
-    remote_dk, remote_dv = _split(dkv_remote, hk, d)
     # fresh tensors, never the pooled buffer (the next call overwrites it)
+    if dkv_remote is None:  # the owners' sums were added into the local rows by the reduce
+        return dq, _copy_as(dk, grad_dtype), _copy_as(dv, grad_dtype)
+    remote_dk, remote_dv = _split(dkv_remote, hk, d)
     return dq, _sum_as(dk, remote_dk, grad_dtype), _sum_as(dv, remote_dv, grad_dtype)
 
 
@@ -384,14 +389,30 @@ def _sum_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torc
     return torch.add(a, b, out=out)
 
 
+def _copy_as(a: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A new contiguous copy of ``a`` in ``dtype`` (default ``a``'s)."""
+    return torch.empty(a.shape, dtype=dtype or a.dtype, device=a.device).copy_(a)
+
+
 def _backward_concat(
-    rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common, kept=None, split: bool = False
+    rt: DistAttnRuntime,
+    parts: Partials,
+    k,
+    v,
+    common,
+    kept=None,
+    split: bool = False,
+    red_dtype: torch.dtype | None = None,
 ):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
-    tail is reduced to its owners. Returns the buffer and the reduce's work. ``kept``: as for
-    `_backward` (the K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote
-    keys' first, then, while their rows' reduce travels, the local keys' on the local rows alone
-    (views ``[:tk]``, so that no key tile of it reaches a row the reduce reads)."""
+    tail is reduced to its owners. Returns the buffer, the reduce's work and where the owners'
+    sums of this rank's rows land: None when the reduce adds them straight into the buffer's
+    local rows (one call, partials reduced in the buffer's dtype: nothing else writes those rows
+    while the reduce runs; no zero-filled sum buffer, no final sum pass), else a zero-filled
+    ``(T, W)`` buffer of ``red_dtype`` (default the buffer's). ``kept``: as for `_backward` (the
+    K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote keys' first,
+    then, while their rows' reduce travels, the local keys' on the local rows alone (views
+    ``[:tk]``, so that no key tile of it reaches a row the reduce reads)."""
     dout, q, out, lse, dq, scale, softcap, det = common
     tk, hk, d = k.shape
     st = rt.remote_tensors(q.device)[0]
@@ -406,12 +427,19 @@ def _backward_concat(
         assert halves is not None  # a degree-0 rank has its concatenated stage
         last, first = halves
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
-    work = _start_reduce(rt, dkv[tk:], dkv_remote, 0)
+    red_dtype = red_dtype or dkv.dtype
+    # the local keys' call (split) writes the local rows while the reduce would add into them
+    dkv_remote = (
+        None
+        if last is None and red_dtype == dkv.dtype
+        else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
+    )
+    work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
     if last is not None:
         local_k, local_v = _split(kv[:tk], hk, d)
         local_dk, local_dv = _split(dkv[:tk], hk, d)
         _bwd_stage(dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det)
-    return dkv, [work]
+    return dkv, [work], dkv_remote
 
 
 def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):

@@ -149,15 +149,25 @@ class Partials:
 
     @classmethod
     def take(
-        cls, rt: DistAttnRuntime, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        cls,
+        rt: DistAttnRuntime,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        reduce_dtype: torch.dtype | None = None,
     ) -> Partials:
         """This call's buffers: symmetric ones from the pool of ``rt``'s group collective when its
         backend has symmetric outputs and the budget allows (collective then, on every rank
-        alike; see the module docstring), else plain tensors."""
+        alike; see the module docstring), else plain tensors. ``reduce_dtype`` (default
+        ``dtype``): what the reduces send; another dtype than the buffers' means they are cast
+        before they travel, so the pool, whose point is that receivers read the buffers in place,
+        is not used."""
         parts = cls(row_shape, dtype, device)
         gc = get_group_collective(rt.group)
-        rb = torch.Size(row_shape).numel() * dtype.itemsize
-        budget = symmetric_budget() if gc.symmetric_outputs else 0  # a2av: plain tensors
+        reduce_dtype = reduce_dtype or dtype
+        rb = torch.Size(row_shape).numel() * reduce_dtype.itemsize
+        pooled = gc.symmetric_outputs and reduce_dtype == dtype  # a2av: plain tensors
+        budget = symmetric_budget() if pooled else 0
         if budget:
             most = rt.partial_rows()  # not this rank's rows: every rank must decide alike
             pool = parts._pool = _pool(gc)
