@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -23,6 +23,9 @@
 #               FWD_SPLIT=1 runs them all with MAGI_DIST_FWD_SPLIT=1 (logs named ..._fwdsplit)
 #   reduce-sweep (not in all) bench_comm --sweep-reduce: group_reduce GB/s per fused-reduction tile
 #               shape (rows x warps; NativeConfig.reduce_tile_rows / reduce_warps) at 16 and 64 MiB
+#   trace-step  (not in all) bench_dist --step --trace at degree 0, native, on 2 GPUs (MASKS,
+#               default varlen_causal; TOTALS_TRACE, default 65536), then tools/trace_summary.py
+#               over every rank's timeline: busy and idle time per stream, the largest gaps
 # The benchmark parts loop over COMMS (default "a2av native"), DEGREES ("0 2", forward) and TOTALS
 # ("65536 131072"); narrow them to keep one call under the device's 10 minutes, e.g.
 #   COMMS=native TOTALS=131072 bash tools/gpu_multi.sh bench-step
@@ -126,6 +129,11 @@ if [[ $what == switches ]]; then
       whole=(--no-whole)
     done
   done
+fi
+if [[ $what == trace-step ]]; then
+  step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" $run2 tools/bench_dist.py --step \
+    --degree 0 --masks "${MASKS:-varlen_causal}" --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
+  step trace_summary.log 80 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
