@@ -56,10 +56,15 @@ def test_report_of_a_step(tmp_path, capsys):
         "gap     20.0 us at +50.0 (other streams busy 15.0 us): after attn_fwd / before Memset (Device)"
         in report
     )
-    # per step over 2 steps, from a file through main
+    # per step over 2 steps, from a file through main, the first step kept
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    ts.main([str(path), "--steps", "2"])
+    ts.main([str(path), "--steps", "2", "--keep-first"])
     out = capsys.readouterr().out
     assert "window 50.0 us per step (2 steps" in out and "busy 37.5 us per step" in out
+    # by default the first step's share of the events goes: a slow first step (a 100 us wait
+    # before its kernel) does not count
+    two = [_x("k", "kernel", 7, 100, 10), _x("k", "kernel", 7, 113, 10), _x("k", "kernel", 7, 126, 10)]
+    report = ts.summarize(ts.gpu_events({"traceEvents": [_x("k", "kernel", 7, 0, 10), *two]}), steps=4)
+    assert "window 12.0 us per step (3 steps, 3 GPU events)" in report and "idle 2.0 us per step" in report
     assert ts.summarize([]).startswith("no GPU events")

@@ -131,9 +131,10 @@ if [[ $what == switches ]]; then
   done
 fi
 if [[ $what == trace-step ]]; then
+  rm -f "$out"/dist_trace_step_*.json  # the summary reads every one left there
   step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" $run2 tools/bench_dist.py --step \
     --degree 0 --masks "${MASKS:-varlen_causal}" --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
-  step trace_summary.log 80 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
+  step trace_summary.log 400 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \

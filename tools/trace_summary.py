@@ -1,15 +1,23 @@
 """Where a profiled step's GPU time goes, from a torch.profiler Chrome trace (the files of
-``bench_dist.py --trace``, ``bench_comm.py --profile-host``, ``profile_step.py --trace``):
+``bench_dist.py --trace``: 3 steps; ``bench_comm.py --profile-host``: pass ``--steps 10``;
+``profile_step.py --trace``: its ``--steps``):
 
-    python tools/trace_summary.py TRACE.json [--steps 3] [--top 12] [--gaps 8]
+    python tools/trace_summary.py TRACE.json [--steps 3] [--top 12] [--gaps 8] [--keep-first]
 
 Per CUDA stream: its busy time (the union of its kernels, copies and fills) and its largest
 kernels by total time. For the compute stream (the busiest one): the window from the first to
 the last GPU event of the trace, the stream's idle time inside it, how much of that idle time
 another stream was busy (communication the compute stream waited for, or at least did not
 overlap) and how much no stream was (the host or a dependency), and its largest idle gaps with
-the kernels on either side. Times are per step: totals divided by ``--steps`` (bench_dist
-profiles 3 calls).
+the kernels on either side. Times are per step: totals divided by ``--steps``. The first step's
+share of the GPU events (the first 1 / steps of them by start, as profile_step.py drops it) is
+left out unless ``--keep-first``: the first call under the profiler waits on its start-up
+(gaps of 50-260 us where later steps have 3).
+
+"Busy" is any kernel on the stream, including communication kernels that only wait for a peer
+(the arm-and-wait launch, a fused reduction's wait, NCCL's kernels): "idle while another stream
+was busy" is the communication the compute stream did not overlap plus the ranks' skew, not
+the transfers' time alone.
 
 The pure parts (`gpu_events`, `union`, `overlap`, `summarize`) are tested on the CPU with
 synthetic traces (integration_tests/test_trace_summary.py).
@@ -93,11 +101,17 @@ def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def summarize(events: list[GpuEvent], steps: int = 1, top: int = 12, gaps: int = 8) -> str:
-    """The report (see the module docstring) of ``events``, times per step."""
+def summarize(
+    events: list[GpuEvent], steps: int = 1, top: int = 12, gaps: int = 8, skip_first: bool = True
+) -> str:
+    """The report (see the module docstring) of ``events`` (sorted by start), times per step;
+    ``skip_first``: without the first step's share of the events (when ``steps`` > 1)."""
     if not events:
         return "no GPU events in the trace (was CUDA profiled?)"
     steps = max(1, steps)
+    if skip_first and steps > 1:
+        events = events[len(events) // steps :]
+        steps -= 1
     by_stream: dict[int, list[GpuEvent]] = defaultdict(list)
     for ev in events:
         by_stream[ev.stream].append(ev)
@@ -142,12 +156,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="profiled steps in each trace (bench_dist: 3)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per stream")
     ap.add_argument("--gaps", type=int, default=8, help="largest idle gaps of the compute stream listed")
+    ap.add_argument("--keep-first", action="store_true", help="count the first step too")
     args = ap.parse_args(argv)
     for path in args.trace:
         with open(path) as f:
             trace = json.load(f)
         print(f"== {path}")
-        print(summarize(gpu_events(trace), args.steps, args.top, args.gaps), flush=True)
+        print(summarize(gpu_events(trace), args.steps, args.top, args.gaps, not args.keep_first), flush=True)
 
 
 if __name__ == "__main__":

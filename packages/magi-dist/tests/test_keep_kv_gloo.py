@@ -252,13 +252,15 @@ SWITCH_RUNS = (("0", "0"), ("1", "0"), ("0", "1"))  # (BWD_LOW_PRECISION_REDUCE,
 def reduce_targets(rank: int, world: int, cases: list[Case]) -> list[list[tuple[str, str, bool]]]:
     """Each case under each of `SWITCH_RUNS` (checked against one process by `run_case` at the
     case's tolerance); per run, for each group_reduce started, the input and output dtypes and
-    whether the output lies in the input's buffer (the local rows of the [dK, dV] buffer)."""
+    whether the output is the local rows of the input's [dK, dV] buffer (just before its rows)."""
     import magi_dist.attn as attn
 
     real, calls = attn.group_reduce, []
 
     def reduce_seen(partial, out, *args, **kwargs):
+        # the buffer's local rows: the output ends where the partial (its remote rows) begins
         same = out.untyped_storage().data_ptr() == partial.untyped_storage().data_ptr()
+        same = same and out.data_ptr() + out.nbytes == partial.data_ptr()
         calls.append((str(partial.dtype), str(out.dtype), same))
         return real(partial, out, *args, **kwargs)
 

@@ -372,14 +372,16 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
-    parts.done()  # every reduce is waited: the next call may reuse the buffers
     if rt.me.calc.kv_concat:
         dk, dv = _split(dkv[:tk], hk, d)  # the local rows' own gradients (maybe in the pool)
     # fresh tensors, never the pooled buffer (the next call overwrites it)
     if dkv_remote is None:  # the owners' sums were added into the local rows by the reduce
-        return dq, _copy_as(dk, grad_dtype), _copy_as(dv, grad_dtype)
-    remote_dk, remote_dv = _split(dkv_remote, hk, d)
-    return dq, _sum_as(dk, remote_dk, grad_dtype), _sum_as(dv, remote_dv, grad_dtype)
+        dk, dv = _copy_as(dk, grad_dtype), _copy_as(dv, grad_dtype)
+    else:
+        remote_dk, remote_dv = _split(dkv_remote, hk, d)
+        dk, dv = _sum_as(dk, remote_dk, grad_dtype), _sum_as(dv, remote_dv, grad_dtype)
+    parts.done()  # every reduce waited and the pooled rows read: the next call may reuse them
+    return dq, dk, dv
 
 
 def _sum_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -39,8 +39,9 @@ Lifetime, and why it is safe:
   the symmetric heap, whose size NVSHMEM fixes at init (``NVSHMEM_SYMMETRIC_SIZE``, by default
   max(1 GiB, 4 x the native receive buffer of 256 MiB)); a buffer that does not fit is a plain
   tensor for that call (its rows are sent, as with ``torch.zeros``), decided alike everywhere.
-* **No aliasing.** The degree-0 buffer holds the local rows' gradients too; they are added into
-  a fresh tensor rather than returned as views of the pooled buffer (``attn._backward``).
+* **No aliasing.** The degree-0 buffer holds the local rows' gradients too; they are copied (or
+  summed with the owners' sums) into fresh tensors rather than returned as views of the pooled
+  buffer, before :meth:`Partials.done` lets the next call reuse it (``attn._backward``).
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ class Partials:
         return flat[:nbytes].view(self.dtype).view(shape).zero_()
 
     def done(self) -> None:
-        """Every reduce from the buffers is waited: the next call may reuse them once its stream
-        reaches this point."""
+        """Every reduce from the buffers is waited and their rows read: the next call may reuse
+        them once its stream reaches this point."""
         if self._pool is None or self.device.type != "cuda":
             return
         if self._pool.event is None:
