@@ -429,6 +429,9 @@ def group_cast(
         src_index: ``n_out`` group ranks; output split ``j`` is received from ``src_index[j]``.
         group: process group (None = WORLD). Ranks are group ranks.
         async_op: if True return at once; ``work.wait()`` finishes (and writes ``output``).
+            ``input`` need not be kept alive meanwhile: the backends hold what the transfer
+            still reads (a2av keeps its send buffer, ``input`` itself or a gathered copy, in the
+            handle; native records ``input`` on its stream).
         backend: ``"a2av"`` | ``"native"``; None = ``$MAGI_COMM_BACKEND`` or ``"a2av"``.
 
     Pairing rule (docs/api.md): for each sender ``s`` and receiver ``d``, the splits ``s`` sends to

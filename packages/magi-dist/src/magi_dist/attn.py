@@ -155,32 +155,13 @@ def _start_cast(rt: DistAttnRuntime, kv: torch.Tensor, stage: int, buf: torch.Te
     return work, buf
 
 
-class _HeldWork:
-    """A collective's work that keeps ``held`` (its input, made for it) alive until waited: the
-    caching allocator must not hand that memory out while the collective may still read it."""
-
-    def __init__(self, work, held: torch.Tensor):
-        self.work = work
-        self.held: torch.Tensor | None = held
-
-    def wait(self) -> None:
-        self.work.wait()  # the caller's stream now waits for the collective: the input may go
-        self.held = None
-
-
 def _start_reduce(rt: DistAttnRuntime, partial: torch.Tensor, out: torch.Tensor, stage: int):
     """Begin summing stage ``stage``'s partial ``[dK, dV]`` rows into their owners' ``out``,
-    cast first to ``out``'s dtype where it differs (`bwd_reduce_dtype`)."""
+    cast first to ``out``'s dtype where it differs (`bwd_reduce_dtype`; the cast copy need not
+    outlive the call: group_reduce holds what its transfer still reads)."""
     a = rt.kv_reduce_args(stage)
-    if partial.dtype != out.dtype:
-        partial = partial.to(out.dtype)
-        return _HeldWork(_reduce(rt, a, partial, out), partial)
-    return _reduce(rt, a, partial, out)
-
-
-def _reduce(rt: DistAttnRuntime, a, partial: torch.Tensor, out: torch.Tensor):
     return group_reduce(
-        partial,
+        partial.to(out.dtype),
         out,
         a.input_split_sizes,
         a.output_split_sizes,
@@ -317,11 +298,12 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
     single = (sink, sink_layout, scale, softcap, want_max)
     remote = rt.remote_tensors(dev)[0] if rt.me.calc.kv_concat else None
     kv = None
-    if remote is not None and not remote.empty and split:
-        kv, (out, lse, ml) = _split_concat_forward(rt, q, k, v, *single)
-    elif remote is not None and not remote.empty:
-        kv = _concat_kv(rt, k, v)
-        out, lse, ml = _single_stage(q, *_split(kv, *k.shape[1:]), remote, *single)
+    if remote is not None and not remote.empty:
+        if split:
+            kv, (out, lse, ml) = _split_concat_forward(rt, q, k, v, *single)
+        else:
+            kv = _concat_kv(rt, k, v)
+            out, lse, ml = _single_stage(q, *_split(kv, *k.shape[1:]), remote, *single)
     elif not rt.cast_args and not (host := rt.host_tensors(dev)).empty:
         out, lse, ml = _single_stage(q, k, v, host, *single)
     else:
@@ -366,7 +348,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     parts = Partials.take(rt, (width,), f32, dev, reduce_dtype=red_dtype)
     dkv_remote: torch.Tensor | None  # owners' sums of the remote [dK, dV] rows, where kept apart
     if rt.me.calc.kv_concat:
-        dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, kept, split, red_dtype)
+        dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, red_dtype, kept, split)
     else:
         dkv_remote = torch.zeros((tk, width), dtype=red_dtype, device=dev)
         dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
@@ -374,26 +356,20 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         w.wait()
     if rt.me.calc.kv_concat:
         dk, dv = _split(dkv[:tk], hk, d)  # the local rows' own gradients (maybe in the pool)
+    # None: the owners' sums were added into the local rows by the reduce
+    remote_dk, remote_dv = (None, None) if dkv_remote is None else _split(dkv_remote, hk, d)
     # fresh tensors, never the pooled buffer (the next call overwrites it)
-    if dkv_remote is None:  # the owners' sums were added into the local rows by the reduce
-        dk, dv = _copy_as(dk, grad_dtype), _copy_as(dv, grad_dtype)
-    else:
-        remote_dk, remote_dv = _split(dkv_remote, hk, d)
-        dk, dv = _sum_as(dk, remote_dk, grad_dtype), _sum_as(dv, remote_dv, grad_dtype)
+    dk, dv = _fresh(dk, remote_dk, grad_dtype), _fresh(dv, remote_dv, grad_dtype)
     parts.done()  # every reduce waited and the pooled rows read: the next call may reuse them
     return dq, dk, dv
 
 
-def _sum_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """``a + b`` (float32, or the accumulators' dtype) written into a new contiguous tensor of
-    ``dtype`` (default ``a``'s): the gradient's final sum and its cast in one pass."""
+def _fresh(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """``a`` (float32, or the accumulators' dtype), plus ``b`` where given, written into a new
+    contiguous tensor of ``dtype`` (default ``a``'s): the gradient's final sum (or copy) and its
+    cast in one pass."""
     out = torch.empty(a.shape, dtype=dtype or a.dtype, device=a.device)
-    return torch.add(a, b, out=out)
-
-
-def _copy_as(a: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A new contiguous copy of ``a`` in ``dtype`` (default ``a``'s)."""
-    return torch.empty(a.shape, dtype=dtype or a.dtype, device=a.device).copy_(a)
+    return out.copy_(a) if b is None else torch.add(a, b, out=out)
 
 
 def _backward_concat(
@@ -402,16 +378,16 @@ def _backward_concat(
     k,
     v,
     common,
+    red_dtype: torch.dtype,
     kept=None,
     split: bool = False,
-    red_dtype: torch.dtype | None = None,
 ):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
     tail is reduced to its owners. Returns the buffer, the reduce's work and where the owners'
     sums of this rank's rows land: None when the reduce adds them straight into the buffer's
     local rows (one call, partials reduced in the buffer's dtype: nothing else writes those rows
     while the reduce runs; no zero-filled sum buffer, no final sum pass), else a zero-filled
-    ``(T, W)`` buffer of ``red_dtype`` (default the buffer's). ``kept``: as for `_backward` (the
+    ``(T, W)`` buffer of ``red_dtype`` (`bwd_reduce_dtype`). ``kept``: as for `_backward` (the
     K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote keys' first,
     then, while their rows' reduce travels, the local keys' on the local rows alone (views
     ``[:tk]``, so that no key tile of it reaches a row the reduce reads)."""
@@ -429,7 +405,6 @@ def _backward_concat(
         assert halves is not None  # a degree-0 rank has its concatenated stage
         last, first = halves
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
-    red_dtype = red_dtype or dkv.dtype
     # the local keys' call (split) writes the local rows while the reduce would add into them
     dkv_remote = (
         None

@@ -149,12 +149,7 @@ class FFAForwardSm90:
         op = cpasync.CopyBulkTensorTileG2SOp()
         G, TT = self.pack, self.tile_tokens
         if cutlass.const_expr(G > 1):
-            # q as ((G, Tq), D, Hk): a tile's rows are (head within the group, token), heads
-            # inner, so one 3-D box (D, G, TT) loads tile_m packed rows of one K/V head
-            mQp = cute.make_tensor(
-                ptr_q,
-                cute.make_layout(((G, total_q), D, num_heads_k), stride=((D, hq64 * D), 1, G * D)),
-            )
+            mQp = self.packed_rows(ptr_q, total_q, D, hq64, num_heads_k)
             tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQp, sQ_layout, ((G, TT), D))
         else:
             tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(op, mQt, sQ_layout, (self.tile_m, D))
@@ -169,10 +164,7 @@ class FFAForwardSm90:
             # (tma_atom_q only fills the unused descriptor argument)
             tma_atom_o, tma_o = tma_atom_q, mO
         elif cutlass.const_expr(G > 1):
-            mOp = cute.make_tensor(
-                ptr_o,
-                cute.make_layout(((G, total_q), Dv, num_heads_k), stride=((Dv, hq64 * Dv), 1, G * Dv)),
-            )
+            mOp = self.packed_rows(ptr_o, total_q, Dv, hq64, num_heads_k)
             tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mOp, sO_layout, ((G, TT), Dv)
             )
@@ -332,8 +324,7 @@ class FFAForwardSm90:
                           pipe_k.producer_get_barrier(k_state))  # fmt: skip
             k_state.advance()
             pipe_q.producer_acquire(q_state)
-            q_row0 = m0 if cutlass.const_expr(self.pack == 1) else (0, m0)  # packed: (head, token)
-            tma_load_rows(tma_atom_q, gQ, q_row0, self.tile_m, self.hdim, sQ, None,
+            tma_load_rows(tma_atom_q, gQ, self.tile_row0(m0), self.tile_m, self.hdim, sQ, None,
                           pipe_q.producer_get_barrier(q_state))  # fmt: skip
             if cutlass.const_expr(not cfg.intra_wg_overlap):
                 pipe_v.producer_acquire(v_state)
@@ -598,9 +589,8 @@ class FFAForwardSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=int(NamedBarrier.Epilogue), number_of_threads=128 * cfg.num_mma_wg)
             if ctid < 32:
-                o_row0 = m0 if cutlass.const_expr(self.pack == 1) else (0, m0)  # packed: (head, token)
                 gO = cute.local_tile(
-                    cute.domain_offset((o_row0, 0), tma_o[None, None, head]),
+                    cute.domain_offset((self.tile_row0(m0), 0), tma_o[None, None, head]),
                     (self.tile_m, self.hdim_v),
                     (0, 0),
                 )
@@ -627,6 +617,20 @@ class FFAForwardSm90:
         if whole_tile:  # noqa: SIM102 (DSL: keep run-time conditions apart)
             if ctid < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def packed_rows(self, ptr, total_q, d, hq64, num_heads_k):
+        """Packed tiles: q's (or O's) storage ``(Tq, Hq, d)`` seen as ``((G, Tq), d, Hk)``, a
+        tile's rows (head within the group, token) with heads inner, so that one 3-D TMA box
+        (d, G, tile_m / G) moves its tile_m rows of one K/V head (traced inline)."""
+        G = self.pack
+        return cute.make_tensor(
+            ptr, cute.make_layout(((G, total_q), d, num_heads_k), stride=((d, hq64 * d), 1, G * d))
+        )
+
+    def tile_row0(self, m0):
+        """The TMA coordinate of a tile's first row (traced inline): token ``m0``, or packed,
+        (head 0 of the group, token ``m0``)."""
+        return m0 if self.pack == 1 else (0, m0)
 
     def token_head(self, p, m0, head):
         """(token, q head) of tile row ``p`` (traced inline): (m0 + p, head), or packed (G =
