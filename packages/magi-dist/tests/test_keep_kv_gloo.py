@@ -96,35 +96,60 @@ def test_kept_kv_matches_single_process():
     spawn_gloo(2, cases, env={"MAGI_DIST_KEEP_KV": "1"})
 
 
+def _appending(calls: list, value_of):
+    """A wrapper factory for `_recorded_runs`: the wrapped function appends ``value_of(*args)``
+    to ``calls``, then runs."""
+
+    def wrap(real):
+        def wrapped(*args, **kwargs):
+            calls.append(value_of(*args))
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    return wrap
+
+
+def _recorded_runs(cases: list[Case], settings: list[dict], calls: list, wrappers: dict, before_run=None):
+    """`run_case` of each case under each of ``settings`` (environment variables), with the
+    functions of ``magi_dist.attn`` named in ``wrappers`` replaced by ``wrappers[name](real)``
+    (put back, and the variables removed, afterwards); per run, a copy of ``calls`` as the
+    wrappers filled it (``before_run`` runs first)."""
+    import magi_dist.attn as attn
+
+    real = {name: getattr(attn, name) for name in wrappers}
+    for name, wrap in wrappers.items():
+        setattr(attn, name, wrap(real[name]))
+    seen = []
+    try:
+        for case in cases:
+            for env in settings:
+                os.environ.update(env)
+                calls.clear()
+                if before_run is not None:
+                    before_run()
+                run_case(case)
+                seen.append(list(calls))
+    finally:
+        for name, fn in real.items():
+            setattr(attn, name, fn)
+        for env in settings:
+            for name in env:
+                os.environ.pop(name, None)
+    return seen
+
+
 def split_backward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
     """Each case with MAGI_DIST_BWD_SPLIT=1, K/V kept and not (checked against one process by
     `run_case`); per run, in call order, the K rows of each backward kernel call on this rank and
     -1 for each group_reduce started."""
-    import magi_dist.attn as attn
-
-    real, real_reduce, calls = attn.ffa_backward_stage, attn.group_reduce, []
-
-    def counted(dout, q, k, *args, **kwargs):
-        calls.append(k.shape[0])
-        return real(dout, q, k, *args, **kwargs)
-
-    def reduce_seen(*args, **kwargs):
-        calls.append(-1)
-        return real_reduce(*args, **kwargs)
-
-    attn.ffa_backward_stage, attn.group_reduce = counted, reduce_seen
-    os.environ["MAGI_DIST_BWD_SPLIT"] = "1"
-    seen = []
-    try:
-        for case in cases:
-            for keep in ("0", "1"):
-                os.environ["MAGI_DIST_KEEP_KV"] = keep
-                calls.clear()
-                run_case(case)
-                seen.append(list(calls))
-    finally:
-        attn.ffa_backward_stage, attn.group_reduce = real, real_reduce
-    return seen
+    calls: list[int] = []
+    settings = [{"MAGI_DIST_BWD_SPLIT": "1", "MAGI_DIST_KEEP_KV": keep} for keep in ("0", "1")]
+    wrappers = {
+        "ffa_backward_stage": _appending(calls, lambda dout, q, k, *_: k.shape[0]),
+        "group_reduce": _appending(calls, lambda *_: -1),
+    }
+    return _recorded_runs(cases, settings, calls, wrappers)
 
 
 def test_split_backward_matches_single_process():
@@ -152,13 +177,8 @@ def split_forward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
     and on together (checked against one process by `run_case`, max_logits included); per run,
     in call order, the K rows of each forward kernel call on this rank and -1 where the
     forward's cast is waited for."""
-    import magi_dist.attn as attn
-
-    real, real_cast, calls, phase = attn.ffa_forward_stage, attn.group_cast, [], ["fwd"]
-
-    def counted(q, k, *args, **kwargs):
-        calls.append(k.shape[0])
-        return real(q, k, *args, **kwargs)
+    calls: list[int] = []
+    phase = ["fwd"]
 
     class _Waited:
         def __init__(self, work):
@@ -169,32 +189,22 @@ def split_forward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
                 calls.append(-1)
             return self.work.wait()
 
-    def cast_seen(*args, **kwargs):
-        return _Waited(real_cast(*args, **kwargs))
+    def to_phase(name: str):
+        def enter(*_):
+            phase[0] = name
 
-    attn.ffa_forward_stage, attn.group_cast = counted, cast_seen
-    real_backward = attn._backward
+        return enter
 
-    def backward_seen(*args, **kwargs):
-        phase[0] = "bwd"
-        return real_backward(*args, **kwargs)
-
-    attn._backward = backward_seen
-    os.environ["MAGI_DIST_FWD_SPLIT"] = "1"
-    seen = []
-    try:
-        for case in cases:
-            for both in ("0", "1"):
-                os.environ["MAGI_DIST_KEEP_KV"] = os.environ["MAGI_DIST_BWD_SPLIT"] = both
-                calls.clear()
-                phase[0] = "fwd"
-                run_case(case)
-                seen.append(list(calls))
-    finally:
-        attn.ffa_forward_stage, attn.group_cast, attn._backward = real, real_cast, real_backward
-        for name in ("MAGI_DIST_FWD_SPLIT", "MAGI_DIST_KEEP_KV", "MAGI_DIST_BWD_SPLIT"):
-            os.environ.pop(name, None)
-    return seen
+    settings = [
+        {"MAGI_DIST_FWD_SPLIT": "1", "MAGI_DIST_KEEP_KV": both, "MAGI_DIST_BWD_SPLIT": both}
+        for both in ("0", "1")
+    ]
+    wrappers = {
+        "ffa_forward_stage": _appending(calls, lambda q, k, *_: k.shape[0]),
+        "group_cast": lambda real: lambda *a, **kw: _Waited(real(*a, **kw)),
+        "_backward": _appending([], to_phase("bwd")),  # the casts waited after it are the backward's
+    }
+    return _recorded_runs(cases, settings, calls, wrappers, before_run=to_phase("fwd"))
 
 
 def test_split_forward_matches_single_process():
@@ -255,30 +265,17 @@ def reduce_targets(rank: int, world: int, cases: list[Case]) -> list[list[tuple[
     whether the output is the local rows of the input's [dK, dV] buffer (just before its rows)."""
     import magi_dist.attn as attn
 
-    real, calls = attn.group_reduce, []
-
-    def reduce_seen(partial, out, *args, **kwargs):
+    def target(partial, out, *_):
         # the buffer's local rows: the output ends where the partial (its remote rows) begins
         same = out.untyped_storage().data_ptr() == partial.untyped_storage().data_ptr()
         same = same and out.data_ptr() + out.nbytes == partial.data_ptr()
-        calls.append((str(partial.dtype), str(out.dtype), same))
-        return real(partial, out, *args, **kwargs)
+        return (str(partial.dtype), str(out.dtype), same)
 
-    attn.group_reduce = reduce_seen
-    seen = []
-    try:
-        for case in cases:
-            for low, split in SWITCH_RUNS:
-                os.environ[attn.ENV_BWD_LOW_PRECISION_REDUCE] = low
-                os.environ[attn.ENV_BWD_SPLIT] = split
-                calls.clear()
-                run_case(case)
-                seen.append(list(calls))
-    finally:
-        attn.group_reduce = real
-        os.environ.pop(attn.ENV_BWD_LOW_PRECISION_REDUCE, None)
-        os.environ.pop(attn.ENV_BWD_SPLIT, None)
-    return seen
+    calls: list[tuple[str, str, bool]] = []
+    settings = [
+        {attn.ENV_BWD_LOW_PRECISION_REDUCE: low, attn.ENV_BWD_SPLIT: split} for low, split in SWITCH_RUNS
+    ]
+    return _recorded_runs(cases, settings, calls, {"group_reduce": _appending(calls, target)})
 
 
 def test_backward_reduce_dtype_and_target():
