@@ -19,7 +19,8 @@
 #   comm        tools/bench_comm.py (its reduce rows against the raw peer copy are the issue's)
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
 #   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
-#               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each;
+#               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each
+#               (the baselines and the whole mask in the first only);
 #               FWD_SPLIT=1 runs them all with MAGI_DIST_FWD_SPLIT=1 (logs named ..._fwdsplit)
 #   reduce-sweep (not in all) bench_comm --sweep-reduce: group_reduce GB/s per fused-reduction tile
 #               shape (rows x warps; NativeConfig.reduce_tile_rows / reduce_warps) at 16 and 64 MiB
@@ -119,14 +120,16 @@ if [[ $what == switches ]]; then
   nproc=${NPROC:-2}
   fwd_tag=""
   [[ ${FWD_SPLIT:-0} == 1 ]] && fwd_tag=_fwdsplit
-  whole=()  # the single-GPU whole-mask column, which the switches do not touch: the first run only
+  # the single-GPU whole mask and the baselines (same stages, one FFA, all-gather, ring), which
+  # the switches do not touch: the first run only
+  whole=()
   for keep in 0 1; do
     for split in 0 1; do
       step "bench_step_keep${keep}_split${split}${fwd_tag}.log" 14 300 env MAGI_COMM_BACKEND=native \
         MAGI_DIST_KEEP_KV=$keep MAGI_DIST_BWD_SPLIT=$split MAGI_DIST_FWD_SPLIT=${FWD_SPLIT:-0} \
         torchrun --standalone --nproc-per-node "$nproc" \
         tools/bench_dist.py --step --degree 0 --totals $TOTALS "${whole[@]}"
-      whole=(--no-whole)
+      whole=(--no-whole --no-baselines)
     done
   done
 fi
