@@ -289,6 +289,42 @@ def test_bwd_uncovered_rows_and_empty():
 
 
 @pytest.mark.sm90
+def test_bwd_prepare_is_reused_by_the_stage(monkeypatch):
+    """`ffa_backward_prepare` launches the preprocess once, the stage that follows with the same
+    dout / out / lse launches none, and its gradients are bitwise those of a stage without it
+    (deterministic mode: repeatable, so equality is the check)."""
+    from ffa_kernels import ffa_backward_prepare, ffa_backward_stage
+    from ffa_kernels.cute import bwd_interface
+
+    launches = []
+    real = bwd_interface._preprocess_launcher
+
+    def counted(*args):
+        fn = real(*args)
+        return lambda packed: (launches.append(1), fn(packed))[1]
+
+    monkeypatch.setattr(bwd_interface, "_preprocess_launcher", counted)
+    qr, kr, types = [[0, 300], [300, 700]], [[0, 500], [200, 900]], [1, 0]
+    _, q, k, v, dout, out, lse, _, ranges = _inputs(
+        qr, kr, types, 700, 900, 8, 2, 128, torch.bfloat16, 0.0, 3
+    )
+    grads = []
+    for prepare in (False, True):
+        do = dout.clone()  # another identity: the first run's cached statistics do not serve
+        acc = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v)]
+        before = len(launches)
+        if prepare:
+            ffa_backward_prepare(do, q, v, out, lse)
+            assert len(launches) == before + 1
+        ffa_backward_stage(do, q, k, v, out, lse, *ranges, *acc, deterministic=True)
+        assert len(launches) == before + 1, (prepare, len(launches) - before)
+        grads.append(acc)
+    assert grads[0][0].abs().max() > 0
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        assert torch.equal(a, b), f"{name} differs with the preprocess prepared"
+
+
+@pytest.mark.sm90
 @pytest.mark.parametrize("hq,hk", [(8, 2), (8, 1), (64, 8), (8, 8)])
 def test_bwd_gqa(hq, hk):
     qr, kr, ty, t = varlen_slices([333, 700, 64], 1)

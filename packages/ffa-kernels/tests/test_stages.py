@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ffa_kernels import (
     apply_sink,
+    ffa_backward_prepare,
     ffa_backward_stage,
     ffa_forward,
     ffa_forward_stage,
@@ -354,3 +355,31 @@ def test_forward_accumulators(dtype):
     assert forward_accumulators(q)[2] is None
     with pytest.raises(ValueError, match="q must be a"):
         forward_accumulators(q[0])
+
+
+def test_backward_prepare_checks_its_arguments_and_changes_no_result():
+    """`ffa_backward_prepare` (the stages' shared preprocess, ahead of them): bad arguments raise
+    naming the argument; on the reference backend it enqueues nothing, and the stage that follows
+    gives the same gradients as without it (the kernel path: test_cute_bwd_gpu.py)."""
+    q, k, v = (torch.randn(6, 2, 4, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(6, 2, 4, dtype=torch.float64)
+    qr, kr = _int32([0, 6]), _int32([0, 6])
+    out, lse = _fresh_acc(6, 2, 4)
+    ffa_forward_stage(q, k, v, qr, kr, None, out, lse)
+    with pytest.raises(TypeError, match="q"):
+        ffa_backward_prepare(dout, q.numpy(), v, out, lse)
+    with pytest.raises(ValueError, match="v"):
+        ffa_backward_prepare(dout, q, v[0], out, lse)
+    with pytest.raises(ValueError, match="dout"):
+        ffa_backward_prepare(dout[:5], q, v, out, lse)
+    with pytest.raises(ValueError, match="lse"):
+        ffa_backward_prepare(dout, q, v, out, lse[:, :1])
+    grads = []
+    for prepare in (False, True):
+        acc = [torch.zeros_like(t) for t in (q, k, v)]
+        if prepare:
+            ffa_backward_prepare(dout, q, v, out, lse)
+        ffa_backward_stage(dout, q, k, v, out, lse, qr, kr, None, *acc)
+        grads.append(acc)
+    assert grads[0][0].abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -42,6 +42,7 @@ from .reference.backward import reference_backward_stage
 from .reference.forward import reference_forward_stage
 
 __all__ = [
+    "ffa_backward_prepare",
     "ffa_backward_stage",
     "ffa_forward",
     "ffa_forward_stage",
@@ -169,7 +170,12 @@ def _forward_whole(
 
 def _backward_kernel(args: ValidatedAttnArgs):
     """The CuTe module when its backward serves this call, else None."""
-    if _backend.select_backward_backend(args.q.device, args.q.dtype) != _backend.CUTE:
+    return _backward_kernel_module(args.q.device, args.q.dtype)
+
+
+def _backward_kernel_module(device: torch.device, dtype: torch.dtype):
+    """The CuTe module when its backward serves this device and dtype, else None."""
+    if _backend.select_backward_backend(device, dtype) != _backend.CUTE:
         return None
     return _backend.load_cute()
 
@@ -401,6 +407,47 @@ def ffa_backward_stage(
     check_accumulator("dv_acc", dv_acc, (tk, hk, dv), dev)
     check_bool("deterministic", deterministic)
     _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc, deterministic)
+
+
+def ffa_backward_prepare(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+) -> None:
+    """Enqueue, on the current stream, the part of a backward that reads no K/V row: the
+    per-row statistics of ``dout``, ``out`` and ``lse`` that every `ffa_backward_stage` call of
+    this backward shares. The stage calls that follow with the very same ``dout``, ``out`` and
+    ``lse`` tensors (and q's dtype and ``softmax_scale``) reuse it instead of computing it first.
+    Optional (a stage computes what it does not find): for callers whose K/V rows are still
+    travelling, so that this runs meanwhile. A no-op where the reference backend serves the
+    backward.
+
+    Args:
+        dout, out: ``(Tq, Hq, Dv)``; lse: ``(Tq, Hq)``; q ``(Tq, Hq, D)``, v ``(Tk, Hk, Dv)``;
+            softmax_scale, softcap: as for the `ffa_backward_stage` calls that follow.
+    """
+    for name, t in (("q", q), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name}: expected 3 dimensions (rows, heads, head dim), got shape {tuple(t.shape)}"
+            )
+    tq, hq, _ = q.shape
+    dev, dv = q.device, v.shape[2]
+    check_float_tensor("dout", dout, (tq, hq, dv), dev)
+    check_float_tensor("out", out, (tq, hq, dv), dev)
+    check_float_tensor("lse", lse, (tq, hq), dev)
+    cute = _backward_kernel_module(dev, q.dtype)
+    if cute is None:
+        return
+    with contextlib.suppress(NotImplementedError):  # the stages fall back (and say so) themselves
+        cute.cute_backward_prepare(q, v, dout, out, lse, softmax_scale=softmax_scale, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------- autograd

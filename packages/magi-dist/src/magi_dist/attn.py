@@ -32,6 +32,7 @@ from ffa_kernels import (
     AttnForwardMeta,
     accumulator_dtype,
     apply_sink,
+    ffa_backward_prepare,
     ffa_backward_stage,
     ffa_forward,
     ffa_forward_stage,
@@ -124,10 +125,10 @@ def _pack(k: torch.Tensor, v: torch.Tensor, extra_rows: int = 0) -> torch.Tensor
     """Each token's K and V rows side by side, ``(T + extra_rows, Hk * D + Hk * Dv)``, the first T
     rows filled: one row per token is what the group-cast moves, and the kernels read the halves
     in place (``_split``: packed K/V)."""
-    t, hk, d = k.shape
+    t = k.shape[0]
     kv = k.new_empty((t + extra_rows, _row_width(k, v)))
-    kv[:t, : hk * d] = k.flatten(1)
-    kv[:t, hk * d :] = v.flatten(1)
+    # one copy kernel for both halves: 97 us against 172 for two strided copies ((32k, 8, 128) bf16, H100)
+    torch.cat((k.flatten(1), v.flatten(1)), dim=1, out=kv[:t])
     return kv
 
 
@@ -317,8 +318,8 @@ def _forward(rt: DistAttnRuntime, q, k, v, sink, sink_layout, scale, softcap, wa
 
 
 def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det, kept=None, grad_dtype=None):
-    """dq (the accumulators' dtype, float32 for 16-bit inputs), dk, dv (``grad_dtype``, default
-    the accumulators') of this rank's rows: the stages' kernels (``det``: each bitwise
+    """dq, dk, dv (``grad_dtype``, default the accumulators' dtype, float32 for 16-bit inputs)
+    of this rank's rows: the stages' kernels (``det``: each bitwise
     repeatable) and the reduction of the remote rows' [dK, dV] to their owners.
 
     The partial [dK, dV] buffers (packed rows like the K/V they belong to) come from
@@ -335,23 +336,25 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=f32, device=dev)
     n = len(rt.cast_args)
-    common = (dout, q, out, lse, dq, scale, softcap, det)
+    common = (dout, q, out, lse, scale, softcap, det)
     if not n:
+        dq = torch.zeros(q.shape, dtype=f32, device=dev)
         dk = torch.zeros(k.shape, dtype=f32, device=dev)
         dv = torch.zeros(v.shape, dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
-        return dq, dk.to(grad_dtype or f32), dv.to(grad_dtype or f32)
+        return dq.to(grad_dtype or f32), dk.to(grad_dtype or f32), dv.to(grad_dtype or f32)
     width = _row_width(k, v)
     red_dtype = bwd_reduce_dtype(f32, q.dtype)  # read before Partials.take's collectives
     parts = Partials.take(rt, (width,), f32, dev, reduce_dtype=red_dtype)
     dkv_remote: torch.Tensor | None  # owners' sums of the remote [dK, dV] rows, where kept apart
     if rt.me.calc.kv_concat:
-        dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, red_dtype, kept, split)
+        dq, dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, red_dtype, kept, split)
     else:
+        dq = torch.zeros(q.shape, dtype=f32, device=dev)
         dkv_remote = torch.zeros((tk, width), dtype=red_dtype, device=dev)
-        dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
+        dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, dq, common)
+    dq = dq.to(grad_dtype or f32)  # while the reduces travel: dq needs none of them
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
     if rt.me.calc.kv_concat:
@@ -390,15 +393,25 @@ def _backward_concat(
     ``(T, W)`` buffer of ``red_dtype`` (`bwd_reduce_dtype`). ``kept``: as for `_backward` (the
     K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote keys' first,
     then, while their rows' reduce travels, the local keys' on the local rows alone (views
-    ``[:tk]``, so that no key tile of it reaches a row the reduce reads)."""
-    dout, q, out, lse, dq, scale, softcap, det = common
+    ``[:tk]``, so that no key tile of it reaches a row the reduce reads). Returns ``(dq, dkv,
+    works, dkv_remote)``, dq in the accumulators' dtype.
+
+    What reads no remote row (dq's and the buffer's zeros, the kernel's preprocess) is enqueued
+    while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 -> 0.78 ms from the forward's
+    end to the backward kernel; docs/perf.md)."""
+    dout, q, out, lse, scale, softcap, det = common
     tk, hk, d = k.shape
     st = rt.remote_tensors(q.device)[0]
     rows = tk + rt.cast_args[0].num_recv_tokens
     # a rank whose stage is empty kept no rows (it computes nothing, only its partials are sent)
     assert kept is None or kept.shape[0] or st.empty, "no kept K/V rows for a stage with work"
-    kv = _concat_kv(rt, k, v) if kept is None else kept
+    kv, cast = (kept, None) if kept is not None else _start_concat_kv(rt, k, v)
+    dq = torch.zeros(q.shape, dtype=parts.dtype, device=q.device)
     dkv = parts.zeros(0, rows)
+    if not st.empty:
+        ffa_backward_prepare(dout, q, v, out, lse, softmax_scale=scale, softcap=softcap)
+    if cast is not None:
+        cast.wait()
     first, last = st, None
     if split:  # the remote keys first, their rows' reduce started, then the local keys while it travels
         halves = rt.concat_parts(q.device)
@@ -416,14 +429,14 @@ def _backward_concat(
         local_k, local_v = _split(kv[:tk], hk, d)
         local_dk, local_dv = _split(dkv[:tk], hk, d)
         _bwd_stage(dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det)
-    return dkv, [work], dkv_remote
+    return dq, dkv, [work], dkv_remote
 
 
-def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):
+def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, dq, common):
     """The host stage on local K/V, then each remote stage as its K/V arrive (the next one
     prefetched meanwhile), its partial ``[dK, dV]`` reduced to the owners while the next stage
     computes. Returns the local rows' dk, dv (without the owners' sums) and the reduces' works."""
-    dout, q, out, lse, dq, scale, softcap, det = common
+    dout, q, out, lse, scale, softcap, det = common
     hk, d = k.shape[1:]
     dev = q.device
     remote = rt.remote_tensors(dev)

@@ -2,7 +2,8 @@
 
 ``cute_forward`` is the entry point the frontend calls when backend == "cute";
 ``cute_backward_stage`` adds one stage's dq, dk, dv into float32 accumulators;
-``cute_backward`` is one whole backward with its gradients in the input dtype.
+``cute_backward`` is one whole backward with its gradients in the input dtype;
+``cute_backward_prepare`` enqueues the preprocess the stages of one backward share.
 ``cute_forward_accumulate`` is the same forward merging its result, by log-sum-exp, into a
 float32 (out, lse) accumulator in place (several calls over disjoint key sets combine exactly;
 the frontend's stage API uses it when ``accumulators_fit``). Importing this package needs only
@@ -20,7 +21,7 @@ from .interface import accumulators_fit
 HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 if HAVE_CUTLASS:
-    from .bwd_interface import cute_backward, cute_backward_stage
+    from .bwd_interface import cute_backward, cute_backward_prepare, cute_backward_stage
     from .interface import cute_forward, cute_forward_accumulate
 
     __all__ = [
@@ -28,6 +29,7 @@ if HAVE_CUTLASS:
         "FwdConfig",
         "accumulators_fit",
         "cute_backward",
+        "cute_backward_prepare",
         "cute_backward_stage",
         "cute_forward",
         "cute_forward_accumulate",

@@ -384,6 +384,28 @@ def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, config, softcap, he
     return plan, split, cfg
 
 
+def cute_backward_prepare(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    softmax_scale: float | None,
+    softcap: float,
+) -> None:
+    """Enqueue the preprocess (`bwd_preprocess`) that the stages of one backward share, on the
+    current stream, before any of them: `cute_backward_stage` with the very same ``dout``, ``out``
+    and ``lse`` (and q's dtype and scale) then finds it cached. For callers whose K/V rows are
+    still travelling (magi-dist): the preprocess needs none of them. Shapes as for
+    `cute_backward_stage`; raises NotImplementedError where the kernel does not serve the call."""
+    softmax_scale, _ = kernel_scales(q, v, softmax_scale, softcap, "backward")
+    if q.shape[0] == 0:
+        return
+    do = _aligned16(as_dtype(dout, q.dtype).contiguous())  # the object `_launch` passes on
+    bwd_preprocess(do, out, lse, fold_scale(softmax_scale, q.dtype))
+
+
 def cute_backward_stage(
     q: torch.Tensor,
     k: torch.Tensor,
