@@ -57,6 +57,17 @@ def test_cases_and_flops():
     assert bd.parse_args([]).masks == bd.FORWARD_MASKS
 
 
+def test_step_series_arguments():
+    """tools/step_series.py: bench_dist's mask kinds only, free mode by default."""
+    _tool("bench_dist")
+    ss = _tool("step_series")
+    args = ss.parse_args(["--mask", "varlen_full", "--modes", "free", "sync"])
+    assert (args.mask, args.total, args.modes) == ("varlen_full", 65536, ["free", "sync"])
+    assert ss.parse_args([]).modes == ["free"]
+    with pytest.raises(SystemExit):
+        ss.parse_args(["--mask", "ring"])
+
+
 def test_step_table():
     bd = _tool("bench_dist")
     nan = float("nan")
