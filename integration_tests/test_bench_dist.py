@@ -112,7 +112,7 @@ def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
     argvs = [
         [*tiny, "--step", "--masks", "varlen_causal,full"],
         [*tiny, "--masks", "causal"],
-        [*tiny, "--step", "--masks", "causal", "--no-baselines"],
+        [*tiny, "--step", "--masks", "causal", "--no-baselines", "--alternate", "1"],
     ]
     ranks = run_ranks(2, on_gloo, argvs, timeout=180)
     for rank, (errs, _) in enumerate(ranks):
@@ -122,7 +122,28 @@ def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
     assert lines[-4] == _tool("bench_dist").STEP_HEADER
     assert lines[-2].startswith("| varlen causal 512 | ") and lines[-1].startswith("| full 512 | ")
     assert "| causal 512 | " in fwd and "K/V bytes received per rank" in fwd
-    # --no-baselines: the magi step and the whole mask on one GPU, every baseline's cell empty
+    # --no-baselines (with --alternate): the magi step and the whole mask on one GPU, every
+    # baseline's cell empty
     row = magi_only.strip().splitlines()[-1].split(" | ")
     assert row[0] == "| causal 512" and row[1] != "–" and row[6] != "–" and row[7] != "–"
     assert row[2:6] == ["–"] * 4 and row[8:12] == ["–"] * 4
+
+
+def test_alternate_medians_take_turns():
+    bd = _tool("bench_dist")
+    calls = []
+    a = iter([5.0, 1.0])
+    b = iter([7.0, 9.0])
+
+    def time_a():
+        calls.append("a")
+        return next(a)
+
+    def time_b():
+        calls.append("b")
+        return next(b)
+
+    # medians of (3, 5, 1) and (8, 7, 9)
+    assert bd.alternate_medians(time_a, time_b, 3.0, 8.0, 2) == (3.0, 8.0)
+    assert calls == ["a", "b", "a", "b"]
+    assert bd.alternate_medians(time_a, time_b, 3.0, 8.0, 0) == (3.0, 8.0) and len(calls) == 4

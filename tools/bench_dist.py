@@ -33,6 +33,10 @@ forward + backward:
   (c) torch ring ``context_parallel`` forward + backward on the plain causal mask (causal and
       block-causal masks) or the plain full mask (full masks, head-tail load balancing off).
 
+``--alternate N`` times the magi step and the whole-mask step N more times in turn and reports
+each one's median: the GPUs run a step at their power limit, so one mean depends on what ran
+before it (docs/perf.md, the cp 2 step at a743a34).
+
 The pure parts (cases, FLOPs, tables) are importable and tested on the CPU
 (integration_tests/test_bench_dist.py), which also runs `run` on gloo ranks with tiny sizes.
 """
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -418,8 +423,8 @@ def measure_forward(case: BenchCase, args, group, device, dtype) -> tuple[tuple,
     return row, traffic
 
 
-def _whole_step_time(case: BenchCase, args, s: _Setup, device, det: bool) -> float:
-    """Seconds of one FFA forward + backward over the whole mask on this rank's GPU."""
+def _whole_step(case: BenchCase, args, s: _Setup, device, det: bool):
+    """One FFA forward + backward over the whole mask on this rank's GPU (a function to time)."""
     total = case.total
     wq, wk, wv = (s.rnd(total, h).requires_grad_() for h in (args.hq, args.hk, args.hk))
     wdout = s.rnd(total, args.hq)
@@ -430,7 +435,18 @@ def _whole_step_time(case: BenchCase, args, s: _Setup, device, det: bool) -> flo
         out = flex_flash_attn_func(wq, wk, wv, *wargs, deterministic=det)[0]
         torch.autograd.grad(out, (wq, wk, wv), wdout)
 
-    return s.time(whole_step)
+    return whole_step
+
+
+def alternate_medians(time_a, time_b, first_a: float, first_b: float, rounds: int) -> tuple[float, float]:
+    """Medians of ``first_a`` / ``first_b`` and ``rounds`` more timings of each, taken in turn
+    (a, b, a, b, ...): the GPUs run a step at their power limit, so one mean depends on what ran
+    before it (docs/perf.md); alternating spreads that over both."""
+    a, b = [first_a], [first_b]
+    for _ in range(rounds):
+        a.append(time_a())
+        b.append(time_b())
+    return statistics.median(a), statistics.median(b)
 
 
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
@@ -447,11 +463,8 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     if args.trace:
         trace(magi_step, f"step_{case.kind}_cp{s.cp}_deg{args.degree}", s.rank, group)
     flops = attn_flops(case.mask.area(), args.hq, args.d, step=True)
-    if not args.baselines:
-        nan = float("nan")
-        t_whole = _whole_step_time(case, args, s, device, det) if args.whole else nan
-        return StepRow(case.name, flops, nan, t_magi, nan, nan, t_whole, nan, nan, s.rt.plan.stats.imbalance)
-
+    nan = float("nan")
+    t_stages = t_one = t_ag = t_ring = ring_flops = nan
     qd = q.detach()
 
     def stages_step():  # calc_attn's stages, forward then backward, without communication
@@ -465,31 +478,36 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
             ffa_backward_stage(dout, qd, kk, vv, out, lse, st.q_ranges, st.k_ranges, st.attn_types,
                                dq, dk, dv, deterministic=det)  # fmt: skip
 
-    t_stages = s.time(stages_step)
-    k_all, v_all = (x.requires_grad_() for x in (s.k_all, s.v_all))
-
     def one_step():
         out = flex_flash_attn_func(q, k_all, v_all, *s.one_args, deterministic=det)[0]
         torch.autograd.grad(out, (q, k_all, v_all), dout)
 
-    t_one = s.time(one_step)
-    t_whole = _whole_step_time(case, args, s, device, det) if args.whole else float("nan")
-    ag = AllGatherCP(case.mask, group, args.chunk)
+    if args.baselines:
+        t_stages = s.time(stages_step)
+        k_all, v_all = (x.requires_grad_() for x in (s.k_all, s.v_all))
+        t_one = s.time(one_step)
+    whole = _whole_step(case, args, s, device, det) if args.whole else None
+    t_whole = s.time(whole) if whole is not None else nan
+    if args.baselines:
+        ag = AllGatherCP(case.mask, group, args.chunk)
 
-    def ag_step():
-        out = ag.forward(q, k, v, deterministic=det)
-        torch.autograd.grad(out, (q, k, v), dout)
+        def ag_step():
+            out = ag.forward(q, k, v, deterministic=det)
+            torch.autograd.grad(out, (q, k, v), dout)
 
-    t_ag = s.time(ag_step)
-    t_ring, ring_flops = float("nan"), float("nan")
-    if device.type == "cuda":
-        total = ag.plan.padded_seqlen
-        ring_flops = attn_flops(plain_area(total, case.causal), args.hq, args.d, step=True)
-        try:
-            t_ring = ring_sdpa_time(total, args.hq, args.d, case.causal, args.iters, group, step=True)
-        except Exception as e:  # an experimental API: report, do not abort the table
-            if s.rank == 0:
-                print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
+        t_ag = s.time(ag_step)
+        if device.type == "cuda":
+            total = ag.plan.padded_seqlen
+            ring_flops = attn_flops(plain_area(total, case.causal), args.hq, args.d, step=True)
+            try:
+                t_ring = ring_sdpa_time(total, args.hq, args.d, case.causal, args.iters, group, step=True)
+            except Exception as e:  # an experimental API: report, do not abort the table
+                if s.rank == 0:
+                    print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
+    if whole is not None and args.alternate > 0:
+        t_magi, t_whole = alternate_medians(
+            lambda: s.time(magi_step), lambda: s.time(whole), t_magi, t_whole, args.alternate
+        )
     return StepRow(
         case.name,
         flops,
@@ -542,6 +560,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="--step: also time the same stages without comm, one FFA over the same rows, "
         "all-gather and ring CP (--no-baselines: the magi step and --whole only, for A/B runs of "
         "settings)",
+    )
+    ap.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="--step with --whole: N more timings of the magi step and of the whole-mask step, in "
+        "turn; both columns then report the median of 1 + N (the GPUs run a step at their power "
+        "limit, so one mean depends on what ran before it)",
     )
     ap.add_argument(
         "--comm-priority",

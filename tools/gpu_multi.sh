@@ -15,7 +15,8 @@
 #   fail        integration_tests/test_reliability.py -m gpu: a peer that raises or exits
 #               mid-collective on 2 GPUs (a2av and native) ends every rank, never a hang
 #   bench-fwd   tools/bench_dist.py forward at 64k and 128k, a2av and native, degree 0 and 2
-#   bench-step  tools/bench_dist.py --step at 64k and 128k (varlen causal / full, causal, block-causal)
+#   bench-step  tools/bench_dist.py --step at 64k and 128k (varlen causal / full, causal, block-causal),
+#               the magi and whole-mask columns medians of 1 + ALTERNATE (default 2) timings in turn
 #   comm        tools/bench_comm.py (its reduce rows against the raw peer copy are the issue's)
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
 #   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
@@ -93,7 +94,7 @@ fi
 if part bench-step; then
   for comm in $COMMS; do
     step "bench_step_${comm}.log" 14 560 env MAGI_COMM_BACKEND=$comm $run2 tools/bench_dist.py --step \
-      --degree 0 --totals $TOTALS
+      --degree 0 --totals $TOTALS --alternate ${ALTERNATE:-2}
   done
 fi
 if part comm; then
