@@ -129,7 +129,7 @@ def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
     assert row[2:6] == ["–"] * 4 and row[8:12] == ["–"] * 4
 
 
-def test_alternate_medians_take_turns():
+def test_alternate_timings_take_turns():
     bd = _tool("bench_dist")
     calls = []
     a = iter([5.0, 1.0])
@@ -143,7 +143,6 @@ def test_alternate_medians_take_turns():
         calls.append("b")
         return next(b)
 
-    # medians of (3, 5, 1) and (8, 7, 9)
-    assert bd.alternate_medians(time_a, time_b, 3.0, 8.0, 2) == (3.0, 8.0)
+    assert bd.alternate_timings(time_a, time_b, 3.0, 8.0, 2) == ([3.0, 5.0, 1.0], [8.0, 7.0, 9.0])
     assert calls == ["a", "b", "a", "b"]
-    assert bd.alternate_medians(time_a, time_b, 3.0, 8.0, 0) == (3.0, 8.0) and len(calls) == 4
+    assert bd.alternate_timings(time_a, time_b, 3.0, 8.0, 0) == ([3.0], [8.0]) and len(calls) == 4

@@ -438,15 +438,15 @@ def _whole_step(case: BenchCase, args, s: _Setup, device, det: bool):
     return whole_step
 
 
-def alternate_medians(time_a, time_b, first_a: float, first_b: float, rounds: int) -> tuple[float, float]:
-    """Medians of ``first_a`` / ``first_b`` and ``rounds`` more timings of each, taken in turn
-    (a, b, a, b, ...): the GPUs run a step at their power limit, so one mean depends on what ran
-    before it (docs/perf.md); alternating spreads that over both."""
+def alternate_timings(time_a, time_b, first_a: float, first_b: float, rounds: int):
+    """``first_a`` / ``first_b`` and ``rounds`` more timings of each, taken in turn (a, b, a, b,
+    ...): ``(a's timings, b's timings)``. The GPUs run a step at their power limit, so one mean
+    depends on what ran before it (docs/perf.md); alternating spreads that over both."""
     a, b = [first_a], [first_b]
     for _ in range(rounds):
         a.append(time_a())
         b.append(time_b())
-    return statistics.median(a), statistics.median(b)
+    return a, b
 
 
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
@@ -505,9 +505,13 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
                 if s.rank == 0:
                     print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
     if whole is not None and args.alternate > 0:
-        t_magi, t_whole = alternate_medians(
+        magis, wholes = alternate_timings(
             lambda: s.time(magi_step), lambda: s.time(whole), t_magi, t_whole, args.alternate
         )
+        t_magi, t_whole = statistics.median(magis), statistics.median(wholes)
+        if s.rank == 0:
+            ms = lambda ts: " / ".join(f"{t * 1e3:.2f}" for t in ts)  # noqa: E731
+            print(f"{case.name}: magi step {ms(magis)} ms, whole mask {ms(wholes)} ms (in turn)", flush=True)
     return StepRow(
         case.name,
         flops,
