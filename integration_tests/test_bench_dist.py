@@ -53,7 +53,14 @@ def test_cases_and_flops():
     with pytest.raises(ValueError, match="unknown mask kind 'ring'"):
         bd.bench_cases("ring", [1024])
     args = bd.parse_args(["--step"])
-    assert args.masks == bd.STEP_MASKS and args.whole and not args.deterministic
+    assert args.masks == bd.STEP_MASKS and args.whole and not args.deterministic and args.alternate == 0
+    for bad in (
+        ["--step", "--alternate", "-1"],
+        ["--alternate", "2"],
+        ["--step", "--no-whole", "--alternate", "1"],
+    ):
+        with pytest.raises(SystemExit):
+            bd.parse_args(bad)
     assert bd.parse_args([]).masks == bd.FORWARD_MASKS
 
 

@@ -449,6 +449,29 @@ def alternate_timings(time_a, time_b, first_a: float, first_b: float, rounds: in
     return a, b
 
 
+def _peer_step_times(case: BenchCase, args, s: _Setup, tensors, group, device) -> tuple[float, float, float]:
+    """``(all-gather step seconds, ring step seconds, ring FLOPs)`` on this rank's inputs
+    ``(q, k, v, dout)``; the ring's NaN off CUDA or when torch's context_parallel fails."""
+    q, k, v, dout = tensors
+    ag = AllGatherCP(case.mask, group, args.chunk)
+
+    def ag_step():
+        out = ag.forward(q, k, v, deterministic=args.deterministic)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    t_ag = s.time(ag_step)
+    t_ring = ring_flops = float("nan")
+    if device.type == "cuda":
+        total = ag.plan.padded_seqlen
+        ring_flops = attn_flops(plain_area(total, case.causal), args.hq, args.d, step=True)
+        try:
+            t_ring = ring_sdpa_time(total, args.hq, args.d, case.causal, args.iters, group, step=True)
+        except Exception as e:  # an experimental API: report, do not abort the table
+            if s.rank == 0:
+                print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
+    return t_ag, t_ring, ring_flops
+
+
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     s = _Setup(case, args, group, device, dtype)
     det = args.deterministic
@@ -488,23 +511,11 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
         t_one = s.time(one_step)
     whole = _whole_step(case, args, s, device, det) if args.whole else None
     t_whole = s.time(whole) if whole is not None else nan
+    if args.alternate <= 0:
+        whole = None  # its whole-mask inputs freed before the baselines that follow
     if args.baselines:
-        ag = AllGatherCP(case.mask, group, args.chunk)
-
-        def ag_step():
-            out = ag.forward(q, k, v, deterministic=det)
-            torch.autograd.grad(out, (q, k, v), dout)
-
-        t_ag = s.time(ag_step)
-        if device.type == "cuda":
-            total = ag.plan.padded_seqlen
-            ring_flops = attn_flops(plain_area(total, case.causal), args.hq, args.d, step=True)
-            try:
-                t_ring = ring_sdpa_time(total, args.hq, args.d, case.causal, args.iters, group, step=True)
-            except Exception as e:  # an experimental API: report, do not abort the table
-                if s.rank == 0:
-                    print(f"context_parallel failed: {type(e).__name__}: {e}", flush=True)
-    if whole is not None and args.alternate > 0:
+        t_ag, t_ring, ring_flops = _peer_step_times(case, args, s, (q, k, v, dout), group, device)
+    if whole is not None:  # --alternate
         magis, wholes = alternate_timings(
             lambda: s.time(magi_step), lambda: s.time(whole), t_magi, t_whole, args.alternate
         )
@@ -587,6 +598,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for kind in args.masks.split(","):
         if kind not in MASK_KINDS:
             ap.error(f"--masks: unknown mask kind {kind!r} (expected {', '.join(MASK_KINDS)})")
+    if args.alternate < 0 or (args.alternate and not (args.step and args.whole)):
+        ap.error(f"--alternate: a count >= 0, with --step and the whole mask, got {args.alternate}")
     return args
 
 

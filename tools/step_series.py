@@ -1,5 +1,6 @@
 """The distributed training step, step by step: each step's GPU time, the host's time per call,
-and the SM clock and board power NVML reports after it (run with torchrun on N GPUs).
+and in ``sync`` mode the SM clock and board power NVML reports after it (run with torchrun on N
+GPUs).
 
     torchrun --standalone --nproc-per-node 2 tools/step_series.py [--mask varlen_causal]
         [--total 65536] [--steps 20] [--modes free sync]
@@ -9,9 +10,11 @@ mean depends on what ran before it (docs/perf.md, "the backward's cast beside it
 series shows the drift that ``bench_dist.py --step``'s mean hides; to compare two trees, run this
 once per tree, alternating, several times. Modes: ``free`` (the host enqueues step after step, as
 in training and in bench_dist) and ``sync`` (a device synchronisation after each step: the host's
-launch time of a step is then inside its time). Case, sizes and inputs as bench_dist's
-``--step`` (its ``--degree``, ``--chunk``, ``--hq``, ``--hk``, ``--d`` defaults). NVML readings
-need the ``pynvml`` module (``nvidia-ml-py``); without it the clock / power row is left out.
+launch time of a step is then inside its time, and each NVML reading follows its step; in
+``free`` mode the host runs ahead, so no reading is taken). Case, sizes and inputs as
+bench_dist's ``--step`` at overlap degree 0 (its ``--chunk``, ``--hq``, ``--hk``, ``--d``
+defaults). NVML readings need the ``pynvml`` module (``nvidia-ml-py``); without it the clock /
+power row is left out.
 """
 
 from __future__ import annotations
@@ -29,21 +32,18 @@ import magi_dist as md
 
 
 def _nvml_reader():
-    """``() -> (SM MHz, W)`` of this process's GPU, or None without pynvml."""
+    """``() -> (SM MHz, W)`` of this process's GPU (torch's NVML helpers, which map the device
+    through ``$CUDA_VISIBLE_DEVICES``), or None without pynvml."""
     try:
-        import pynvml
+        import pynvml  # noqa: F401  (what torch.cuda.clock_rate / power_draw need)
     except ImportError:
         return None
-    pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-    return lambda: (
-        pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-        pynvml.nvmlDeviceGetPowerUsage(handle) // 1000,
-    )
+    return lambda: (torch.cuda.clock_rate(), torch.cuda.power_draw() // 1000)
 
 
 def series(step, steps: int, sync: bool, read_nvml=None):
-    """Run ``step`` ``steps`` times; ``(GPU ms per step, host ms per call, NVML readings)``."""
+    """Run ``step`` ``steps`` times; ``(GPU ms per step, host ms per call, NVML readings after
+    each call: empty without read_nvml)``."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     host, nvml = [], []
     events[0].record()
@@ -96,7 +96,8 @@ def main(argv=None) -> None:
                 step()
             torch.cuda.synchronize()
             dist.barrier()
-            gpu, host, nvml = series(step, args.steps, mode == "sync", read_nvml)
+            sync = mode == "sync"
+            gpu, host, nvml = series(step, args.steps, sync, read_nvml if sync else None)
             mean = sum(gpu) / len(gpu)
             if dist.get_rank() == 0:
                 tf = bench_dist.tflops(flops, mean * 1e-3, dist.get_world_size())

@@ -292,7 +292,8 @@ def test_bwd_uncovered_rows_and_empty():
 def test_bwd_prepare_is_reused_by_the_stage(monkeypatch):
     """`ffa_backward_prepare` launches the preprocess once, the stage that follows with the same
     dout / out / lse launches none, and its gradients are bitwise those of a stage without it
-    (deterministic mode: repeatable, so equality is the check)."""
+    (deterministic mode: repeatable, so equality is the check); prepared for another scale, or
+    for a dout the stage converts, the stage launches its own and the gradients are the same."""
     from ffa_kernels import ffa_backward_prepare, ffa_backward_stage
     from ffa_kernels.cute import bwd_interface
 
@@ -308,20 +309,29 @@ def test_bwd_prepare_is_reused_by_the_stage(monkeypatch):
     _, q, k, v, dout, out, lse, _, ranges = _inputs(
         qr, kr, types, 700, 900, 8, 2, 128, torch.bfloat16, 0.0, 3
     )
+    # (prepare's arguments, its launches, the stage's launches); None: no prepare
+    cases = [
+        (None, 0, 1),
+        ({}, 1, 0),
+        ({"softmax_scale": 0.5 * 128**-0.5}, 1, 1),  # another fold: the stage's own
+        ({"dout": torch.float32}, 0, 1),  # the stage converts dout: nothing to prepare
+    ]
     grads = []
-    for prepare in (False, True):
-        do = dout.clone()  # another identity: the first run's cached statistics do not serve
+    for prep, n_prep, n_stage in cases:
+        do = dout.clone()  # another identity: an earlier case's cached statistics do not serve
         acc = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v)]
         before = len(launches)
-        if prepare:
-            ffa_backward_prepare(do, q, v, out, lse)
-            assert len(launches) == before + 1
+        if prep is not None:
+            kw = {k_: v_ for k_, v_ in prep.items() if k_ != "dout"}
+            ffa_backward_prepare(do.to(prep.get("dout", do.dtype)), q, v, out, lse, **kw)
+        assert len(launches) == before + n_prep, (prep, len(launches) - before)
         ffa_backward_stage(do, q, k, v, out, lse, *ranges, *acc, deterministic=True)
-        assert len(launches) == before + 1, (prepare, len(launches) - before)
+        assert len(launches) == before + n_prep + n_stage, (prep, len(launches) - before)
         grads.append(acc)
     assert grads[0][0].abs().max() > 0
-    for name, a, b in zip(("dq", "dk", "dv"), *grads):
-        assert torch.equal(a, b), f"{name} differs with the preprocess prepared"
+    for got in grads[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), grads[0], got):
+            assert torch.equal(a, b), f"{name} differs with the preprocess prepared"
 
 
 @pytest.mark.sm90

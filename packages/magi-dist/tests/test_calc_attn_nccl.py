@@ -45,3 +45,54 @@ def _worlds() -> list[int]:
 @pytest.mark.parametrize("world", _worlds())
 def test_calc_attn_nccl(world, comm):
     spawn_gloo(world, gpu_cases(), env={"MAGI_COMM_BACKEND": comm}, backend="nccl")
+
+
+def _preprocess_launches(rank: int, world: int, split: str) -> int:
+    """This rank's launches of the backward preprocess in one degree-0 calc_attn backward
+    (bf16 on its GPU; ``split``: $MAGI_DIST_BWD_SPLIT)."""
+    import os
+
+    import magi_dist as md
+    from ffa_kernels.cute import bwd_interface
+    from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig
+
+    os.environ["MAGI_DIST_BWD_SPLIT"] = split
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    mask = masks.varlen([0, 300, 310, 1500, 2000], causal=True)
+    cfg = DistAttnConfig(
+        dispatch_config=DispatchConfig(chunk_size=256), overlap_config=OverlapConfig(degree=0)
+    )
+    key = md.magi_attn_flex_key(
+        mask.q_ranges, mask.k_ranges, mask.mask_types, 2000, 2000, 8, 2, 64, None, dist_attn_config=cfg
+    )
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(2000, h, 64, device=dev, dtype=torch.bfloat16, generator=g) for h in (8, 2, 2, 8)
+    )
+    lq, lk, lv = (md.dispatch(x, key).requires_grad_() for x in (q, k, v))
+    out, _ = md.calc_attn(lq, lk, lv, key)
+    launches = []
+    real = bwd_interface._preprocess_launcher
+
+    def counted(*args):
+        fn = real(*args)
+        return lambda packed: (launches.append(1), fn(packed))[1]
+
+    bwd_interface._preprocess_launcher = counted
+    try:
+        out.backward(md.dispatch(dout, key))
+        torch.cuda.synchronize()
+    finally:
+        bwd_interface._preprocess_launcher = real
+    assert lk.grad is not None and lk.grad.abs().max() > 0
+    return len(launches)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_degree0_backward_launches_its_preprocess_once(split):
+    """The preprocess enqueued ahead of the K/V cast (ffa_backward_prepare) is the one the
+    stage kernels use: one launch per backward, split by keys or not."""
+    from magi_dist.testing import run_ranks
+
+    assert run_ranks(2, _preprocess_launches, split, backend="nccl", timeout=240) == [1, 1]

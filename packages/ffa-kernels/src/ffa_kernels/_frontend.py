@@ -421,11 +421,13 @@ def ffa_backward_prepare(
 ) -> None:
     """Enqueue, on the current stream, the part of a backward that reads no K/V row: the
     per-row statistics of ``dout``, ``out`` and ``lse`` that every `ffa_backward_stage` call of
-    this backward shares. The stage calls that follow with the very same ``dout``, ``out`` and
-    ``lse`` tensors (and q's dtype and ``softmax_scale``) reuse it instead of computing it first.
-    Optional (a stage computes what it does not find): for callers whose K/V rows are still
-    travelling, so that this runs meanwhile. A no-op where the reference backend serves the
-    backward.
+    this backward shares. Optional (a stage computes what it does not find): for callers whose
+    K/V rows are still travelling, so that this runs meanwhile. The stage calls that follow reuse
+    it when they get the very same ``dout``, ``out`` and ``lse`` objects, unchanged in place
+    since, with q's dtype and ``softmax_scale`` as here, on the same stream, and no other
+    backward ran between; ``dout`` must already be contiguous, 16-byte aligned and in q's dtype
+    (else nothing is enqueued, as the stage would not find it). A no-op where the reference
+    backend serves the backward.
 
     Args:
         dout, out: ``(Tq, Hq, Dv)``; lse: ``(Tq, Hq)``; q ``(Tq, Hq, D)``, v ``(Tk, Hk, Dv)``;

@@ -127,7 +127,9 @@ def _pack(k: torch.Tensor, v: torch.Tensor, extra_rows: int = 0) -> torch.Tensor
     in place (``_split``: packed K/V)."""
     t = k.shape[0]
     kv = k.new_empty((t + extra_rows, _row_width(k, v)))
-    # one copy kernel for both halves: 97 us against 172 for two strided copies ((32k, 8, 128) bf16, H100)
+    # one copy kernel for both halves: 97 us against 172 for two strided copies ((32k, 8, 128) bf16,
+    # H100). An out= call: not differentiable, as none is needed (called where autograd records
+    # nothing: the autograd Function's forward and backward)
     torch.cat((k.flatten(1), v.flatten(1)), dim=1, out=kv[:t])
     return kv
 
@@ -336,6 +338,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
+    gdt = grad_dtype or f32
     n = len(rt.cast_args)
     common = (dout, q, out, lse, scale, softcap, det)
     if not n:
@@ -343,7 +346,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
         dk = torch.zeros(k.shape, dtype=f32, device=dev)
         dv = torch.zeros(v.shape, dtype=f32, device=dev)
         _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
-        return dq.to(grad_dtype or f32), dk.to(grad_dtype or f32), dv.to(grad_dtype or f32)
+        return dq.to(gdt), dk.to(gdt), dv.to(gdt)
     width = _row_width(k, v)
     red_dtype = bwd_reduce_dtype(f32, q.dtype)  # read before Partials.take's collectives
     parts = Partials.take(rt, (width,), f32, dev, reduce_dtype=red_dtype)
@@ -351,10 +354,9 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     if rt.me.calc.kv_concat:
         dq, dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, red_dtype, kept, split)
     else:
-        dq = torch.zeros(q.shape, dtype=f32, device=dev)
         dkv_remote = torch.zeros((tk, width), dtype=red_dtype, device=dev)
-        dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, dq, common)
-    dq = dq.to(grad_dtype or f32)  # while the reduces travel: dq needs none of them
+        dq, dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
+    dq = dq.to(gdt)  # while the reduces travel: dq needs none of them
     for w in reduces:  # fixed order: the float32 sums are deterministic
         w.wait()
     if rt.me.calc.kv_concat:
@@ -362,7 +364,7 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     # None: the owners' sums were added into the local rows by the reduce
     remote_dk, remote_dv = (None, None) if dkv_remote is None else _split(dkv_remote, hk, d)
     # fresh tensors, never the pooled buffer (the next call overwrites it)
-    dk, dv = _fresh(dk, remote_dk, grad_dtype), _fresh(dv, remote_dv, grad_dtype)
+    dk, dv = _fresh(dk, remote_dk, gdt), _fresh(dv, remote_dv, gdt)
     parts.done()  # every reduce waited and the pooled rows read: the next call may reuse them
     return dq, dk, dv
 
@@ -386,15 +388,15 @@ def _backward_concat(
     split: bool = False,
 ):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
-    tail is reduced to its owners. Returns the buffer, the reduce's work and where the owners'
-    sums of this rank's rows land: None when the reduce adds them straight into the buffer's
-    local rows (one call, partials reduced in the buffer's dtype: nothing else writes those rows
-    while the reduce runs; no zero-filled sum buffer, no final sum pass), else a zero-filled
-    ``(T, W)`` buffer of ``red_dtype`` (`bwd_reduce_dtype`). ``kept``: as for `_backward` (the
-    K/V rows are not cast again). ``split`` (`bwd_split`): two calls, the remote keys' first,
-    then, while their rows' reduce travels, the local keys' on the local rows alone (views
-    ``[:tk]``, so that no key tile of it reaches a row the reduce reads). Returns ``(dq, dkv,
-    works, dkv_remote)``, dq in the accumulators' dtype.
+    tail is reduced to its owners. Returns ``(dq, dkv, works, dkv_remote)``: dq in the
+    accumulators' dtype, the buffer, the reduce's work, and where the owners' sums of this rank's
+    rows land: None when the reduce adds them straight into the buffer's local rows (one call,
+    partials reduced in the buffer's dtype: nothing else writes those rows while the reduce runs;
+    no zero-filled sum buffer, no final sum pass), else a zero-filled ``(T, W)`` buffer of
+    ``red_dtype`` (`bwd_reduce_dtype`). ``kept``: as for `_backward` (the K/V rows are not cast
+    again). ``split`` (`bwd_split`): two calls, the remote keys' first, then, while their rows'
+    reduce travels, the local keys' on the local rows alone (views ``[:tk]``, so that no key tile
+    of it reaches a row the reduce reads).
 
     What reads no remote row (dq's and the buffer's zeros, the kernel's preprocess) is enqueued
     while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 -> 0.78 ms from the forward's
@@ -432,16 +434,18 @@ def _backward_concat(
     return dq, dkv, [work], dkv_remote
 
 
-def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, dq, common):
+def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):
     """The host stage on local K/V, then each remote stage as its K/V arrive (the next one
     prefetched meanwhile), its partial ``[dK, dV]`` reduced to the owners while the next stage
-    computes. Returns the local rows' dk, dv (without the owners' sums) and the reduces' works."""
+    computes. Returns dq (the accumulators' dtype), the local rows' dk, dv (without the owners'
+    sums) and the reduces' works."""
     dout, q, out, lse, scale, softcap, det = common
     hk, d = k.shape[1:]
     dev = q.device
     remote = rt.remote_tensors(dev)
     kv = _pack(k, v)
     pending = _start_cast(rt, kv, 0)
+    dq = torch.zeros(q.shape, dtype=parts.dtype, device=dev)
     dk = torch.zeros(k.shape, dtype=dq.dtype, device=dev)
     dv = torch.zeros(v.shape, dtype=dq.dtype, device=dev)
     _bwd_stage(dout, q, k, v, out, lse, rt.host_tensors(dev), dq, dk, dv, scale, softcap, det)
@@ -457,7 +461,7 @@ def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, dq,
         dkt, dvt = _split(dkv_t, hk, d)
         _bwd_stage(dout, q, kt, vt, out, lse, remote[t], dq, dkt, dvt, scale, softcap, det)
         reduces.append(_start_reduce(rt, dkv_t, dkv_remote, t))
-    return dk, dv, reduces
+    return dq, dk, dv, reduces
 
 
 def _reduce_dsink(dsink: torch.Tensor, rt: DistAttnRuntime) -> torch.Tensor:

@@ -35,8 +35,9 @@ Lifetime, and why it is safe:
   freed piecemeal otherwise: the native backend frees the outputs when the group's last handle
   closes (``close_default_collectives``), or :func:`free_partials` (collective) releases them.
 * **Bounded.** The pool holds at most ``$MAGI_DIST_SYMMETRIC_PARTIALS_MB`` (default 0: off, see
-  DEFAULT_SYMMETRIC_MB; the degree-0 buffer holds the local rows too: ~350 MiB per rank at cp 2,
-  64k tokens, Hk 8, D 128, so 256 serves only smaller calls) of
+  DEFAULT_SYMMETRIC_MB; the degree-0 buffer holds the local rows too: at cp 2, 64k tokens, Hk 8,
+  D 128 those alone are 256 MiB, the whole buffer 440-512 MiB on the largest rank, so 256 serves
+  only smaller calls) of
   the symmetric heap, whose size NVSHMEM fixes at init (``NVSHMEM_SYMMETRIC_SIZE``, by default
   max(1 GiB, 4 x the native receive buffer of 256 MiB)); a buffer that does not fit is a plain
   tensor for that call (its rows are sent, as with ``torch.zeros``), decided alike everywhere.

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .._identity_cache import IdentityCache
+from .._identity_cache import IdentityCache, cacheable
 from .._types import as_dtype
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import (
@@ -395,14 +395,20 @@ def cute_backward_prepare(
     softcap: float,
 ) -> None:
     """Enqueue the preprocess (`bwd_preprocess`) that the stages of one backward share, on the
-    current stream, before any of them: `cute_backward_stage` with the very same ``dout``, ``out``
-    and ``lse`` (and q's dtype and scale) then finds it cached. For callers whose K/V rows are
-    still travelling (magi-dist): the preprocess needs none of them. Shapes as for
+    current stream, before any of them, for callers whose K/V rows are still travelling
+    (magi-dist): the preprocess reads none of them. `cute_backward_stage` finds it cached when
+    it gets the very same ``dout``, ``out`` and ``lse`` objects, unchanged in place since, with
+    q's dtype and softmax scale as here, on the same stream, and no other backward's preprocess
+    ran between (the cache holds one entry). Where the stage could not find it (``dout`` not
+    already contiguous, 16-byte aligned and in q's dtype, so that `_launch` makes a new tensor of
+    it; inference tensors, which the cache does not hold) nothing is enqueued. Shapes as for
     `cute_backward_stage`; raises NotImplementedError where the kernel does not serve the call."""
     softmax_scale, _ = kernel_scales(q, v, softmax_scale, softcap, "backward")
     if q.shape[0] == 0:
         return
-    do = _aligned16(as_dtype(dout, q.dtype).contiguous())  # the object `_launch` passes on
+    do = _aligned16(as_dtype(dout, q.dtype).contiguous())  # what `_launch` makes of dout
+    if do is not dout or not cacheable((dout, out, lse)):
+        return
     bwd_preprocess(do, out, lse, fold_scale(softmax_scale, q.dtype))
 
 
