@@ -289,22 +289,13 @@ def test_bwd_uncovered_rows_and_empty():
 
 
 @pytest.mark.sm90
-def test_bwd_prepare_is_reused_by_the_stage(monkeypatch):
+def test_bwd_prepare_is_reused_by_the_stage():
     """`ffa_backward_prepare` launches the preprocess once, the stage that follows with the same
     dout / out / lse launches none, and its gradients are bitwise those of a stage without it
     (deterministic mode: repeatable, so equality is the check); prepared for another scale, or
     for a dout the stage converts, the stage launches its own and the gradients are the same."""
     from ffa_kernels import ffa_backward_prepare, ffa_backward_stage
-    from ffa_kernels.cute import bwd_interface
 
-    launches = []
-    real = bwd_interface._preprocess_launcher
-
-    def counted(*args):
-        fn = real(*args)
-        return lambda packed: (launches.append(1), fn(packed))[1]
-
-    monkeypatch.setattr(bwd_interface, "_preprocess_launcher", counted)
     qr, kr, types = [[0, 300], [300, 700]], [[0, 500], [200, 900]], [1, 0]
     _, q, k, v, dout, out, lse, _, ranges = _inputs(
         qr, kr, types, 700, 900, 8, 2, 128, torch.bfloat16, 0.0, 3
@@ -316,18 +307,19 @@ def test_bwd_prepare_is_reused_by_the_stage(monkeypatch):
         ({"softmax_scale": 0.5 * 128**-0.5}, 1, 1),  # another fold: the stage's own
         ({"dout": torch.float32}, 0, 1),  # the stage converts dout: nothing to prepare
     ]
-    grads = []
-    for prep, n_prep, n_stage in cases:
-        do = dout.clone()  # another identity: an earlier case's cached statistics do not serve
-        acc = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v)]
-        before = len(launches)
-        if prep is not None:
-            kw = {k_: v_ for k_, v_ in prep.items() if k_ != "dout"}
-            ffa_backward_prepare(do.to(prep.get("dout", do.dtype)), q, v, out, lse, **kw)
-        assert len(launches) == before + n_prep, (prep, len(launches) - before)
-        ffa_backward_stage(do, q, k, v, out, lse, *ranges, *acc, deterministic=True)
-        assert len(launches) == before + n_prep + n_stage, (prep, len(launches) - before)
-        grads.append(acc)
+    with testing.preprocess_launches() as launches:
+        grads = []
+        for prep, n_prep, n_stage in cases:
+            do = dout.clone()  # another identity: an earlier case's cached statistics do not serve
+            acc = [torch.zeros(t.shape, dtype=torch.float32, device="cuda") for t in (q, k, v)]
+            before = len(launches)
+            if prep is not None:
+                kw = {k_: v_ for k_, v_ in prep.items() if k_ != "dout"}
+                ffa_backward_prepare(do.to(prep.get("dout", do.dtype)), q, v, out, lse, **kw)
+            assert len(launches) == before + n_prep, (prep, len(launches) - before)
+            ffa_backward_stage(do, q, k, v, out, lse, *ranges, *acc, deterministic=True)
+            assert len(launches) == before + n_prep + n_stage, (prep, len(launches) - before)
+            grads.append(acc)
     assert grads[0][0].abs().max() > 0
     for got in grads[1:]:
         for name, a, b in zip(("dq", "dk", "dv"), grads[0], got):

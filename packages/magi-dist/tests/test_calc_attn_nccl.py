@@ -53,7 +53,7 @@ def _preprocess_launches(rank: int, world: int, split: str) -> int:
     import os
 
     import magi_dist as md
-    from ffa_kernels.cute import bwd_interface
+    from ffa_kernels.testing import preprocess_launches
     from magi_solver import DispatchConfig, DistAttnConfig, OverlapConfig
 
     os.environ["MAGI_DIST_BWD_SPLIT"] = split
@@ -71,19 +71,9 @@ def _preprocess_launches(rank: int, world: int, split: str) -> int:
     )
     lq, lk, lv = (md.dispatch(x, key).requires_grad_() for x in (q, k, v))
     out, _ = md.calc_attn(lq, lk, lv, key)
-    launches = []
-    real = bwd_interface._preprocess_launcher
-
-    def counted(*args):
-        fn = real(*args)
-        return lambda packed: (launches.append(1), fn(packed))[1]
-
-    bwd_interface._preprocess_launcher = counted
-    try:
+    with preprocess_launches() as launches:
         out.backward(md.dispatch(dout, key))
         torch.cuda.synchronize()
-    finally:
-        bwd_interface._preprocess_launcher = real
     assert lk.grad is not None and lk.grad.abs().max() > 0
     return len(launches)
 

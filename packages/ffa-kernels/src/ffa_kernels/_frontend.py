@@ -168,12 +168,7 @@ def _forward_whole(
     return out_acc, lse_acc, max_acc
 
 
-def _backward_kernel(args: ValidatedAttnArgs):
-    """The CuTe module when its backward serves this call, else None."""
-    return _backward_kernel_module(args.q.device, args.q.dtype)
-
-
-def _backward_kernel_module(device: torch.device, dtype: torch.dtype):
+def _backward_kernel(device: torch.device, dtype: torch.dtype):
     """The CuTe module when its backward serves this device and dtype, else None."""
     if _backend.select_backward_backend(device, dtype) != _backend.CUTE:
         return None
@@ -185,7 +180,7 @@ def _backward_whole(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one whole attention call, in the dtypes of q, k, v."""
     q, k, v = args.q, args.k, args.v
-    cute = _backward_kernel(args)
+    cute = _backward_kernel(args.q.device, args.q.dtype)
     if cute is not None:
         try:
             # the gradients straight in the input dtype (no float32 dk/dv, no casts)
@@ -213,7 +208,7 @@ def _backward_stage(
     dv_acc: torch.Tensor,
     deterministic: bool = False,
 ) -> None:
-    cute = _backward_kernel(args)
+    cute = _backward_kernel(args.q.device, args.q.dtype)
     if cute is not None:
         try:
             cute.cute_backward_stage(
@@ -445,7 +440,7 @@ def ffa_backward_prepare(
     check_float_tensor("dout", dout, (tq, hq, dv), dev)
     check_float_tensor("out", out, (tq, hq, dv), dev)
     check_float_tensor("lse", lse, (tq, hq), dev)
-    cute = _backward_kernel_module(dev, q.dtype)
+    cute = _backward_kernel(dev, q.dtype)
     if cute is None:
         return
     with contextlib.suppress(NotImplementedError):  # the stages fall back (and say so) themselves

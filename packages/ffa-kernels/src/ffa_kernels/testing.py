@@ -28,6 +28,7 @@ __all__ = [
     "dense_mask",
     "grid_slices",
     "is_sm90",
+    "preprocess_launches",
     "random_disjoint_slices",
     "random_problem",
     "segment_id_slices",
@@ -249,6 +250,31 @@ def tile_config(block_rows: int, tile_elems: int, min_tile_cols: int) -> Iterato
         yield
     finally:
         _masks.BLOCK_ROWS, _masks.TILE_ELEMS, _masks.MIN_TILE_COLS = saved
+
+
+@contextlib.contextmanager
+def preprocess_launches() -> Iterator[list[int]]:
+    """Count the CuTe backward's preprocess launches inside the block (GPU tests: whether a
+    prepared preprocess is reused): yields a list that gets one entry per launch."""
+    from .cute import bwd_interface
+
+    launches: list[int] = []
+    real = bwd_interface._preprocess_launcher
+
+    def counted(*args):
+        launch = real(*args)
+
+        def counting(packed):
+            launches.append(1)
+            return launch(packed)
+
+        return counting
+
+    bwd_interface._preprocess_launcher = counted
+    try:
+        yield launches
+    finally:
+        bwd_interface._preprocess_launcher = real
 
 
 # ----------------------------------------------------------------------------- mask builders

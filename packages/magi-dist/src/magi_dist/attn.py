@@ -369,11 +369,10 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     return dq, dk, dv
 
 
-def _fresh(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+def _fresh(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``a`` (float32, or the accumulators' dtype), plus ``b`` where given, written into a new
-    contiguous tensor of ``dtype`` (default ``a``'s): the gradient's final sum (or copy) and its
-    cast in one pass."""
-    out = torch.empty(a.shape, dtype=dtype or a.dtype, device=a.device)
+    contiguous tensor of ``dtype``: the gradient's final sum (or copy) and its cast in one pass."""
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
     return out.copy_(a) if b is None else torch.add(a, b, out=out)
 
 
@@ -509,7 +508,8 @@ class _DistAttnFunc(torch.autograd.Function):
             dsink = sink_backward(sink, ctx.sink_layout, out, dout, lse)
             if ctx.sink_layout == "sh":
                 dsink = _reduce_dsink(dsink, ctx.rt)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None, None, None
+        # already in the inputs' dtype (grad_dtype; q, k and v share one)
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 def _check_heads(name: str, x: object, heads: int, d: int) -> None:

@@ -406,10 +406,10 @@ def cute_backward_prepare(
     softmax_scale, _ = kernel_scales(q, v, softmax_scale, softcap, "backward")
     if q.shape[0] == 0:
         return
-    do = _aligned16(as_dtype(dout, q.dtype).contiguous())  # what `_launch` makes of dout
-    if do is not dout or not cacheable((dout, out, lse)):
-        return
-    bwd_preprocess(do, out, lse, fold_scale(softmax_scale, q.dtype))
+    # `_launch` passes dout on as it is only when so (else a converted copy, which no cache holds)
+    as_is = dout.dtype == q.dtype and dout.is_contiguous() and dout.data_ptr() % 16 == 0
+    if as_is and cacheable((dout, out, lse)):
+        bwd_preprocess(dout, out, lse, fold_scale(softmax_scale, q.dtype))
 
 
 def cute_backward_stage(
