@@ -472,6 +472,32 @@ def _peer_step_times(case: BenchCase, args, s: _Setup, tensors, group, device) -
     return t_ag, t_ring, ring_flops
 
 
+def _local_step_times(s: _Setup, q: torch.Tensor, dout: torch.Tensor, det: bool) -> tuple[float, float]:
+    """``(stages, one FFA)`` step times of the rank: calc_attn's stages forward then backward
+    without communication, and one FFA call over the rank's rows and the whole K/V."""
+    qd = q.detach()
+
+    def stages_step():
+        out, lse, _ = forward_accumulators(qd)
+        for st, kk, vv in s.stages:
+            ffa_forward_stage(qd, kk, vv, st.q_ranges, st.k_ranges, st.attn_types, out, lse)
+        out = out.to(qd.dtype)
+        dq = torch.zeros_like(qd, dtype=lse.dtype)
+        for st, kk, vv in s.stages:
+            dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (kk, vv))
+            ffa_backward_stage(dout, qd, kk, vv, out, lse, st.q_ranges, st.k_ranges, st.attn_types,
+                               dq, dk, dv, deterministic=det)  # fmt: skip
+
+    t_stages = s.time(stages_step)
+    k_all, v_all = (x.requires_grad_() for x in (s.k_all, s.v_all))
+
+    def one_step():
+        out = flex_flash_attn_func(q, k_all, v_all, *s.one_args, deterministic=det)[0]
+        torch.autograd.grad(out, (q, k_all, v_all), dout)
+
+    return t_stages, s.time(one_step)
+
+
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     s = _Setup(case, args, group, device, dtype)
     det = args.deterministic
@@ -488,27 +514,8 @@ def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     flops = attn_flops(case.mask.area(), args.hq, args.d, step=True)
     nan = float("nan")
     t_stages = t_one = t_ag = t_ring = ring_flops = nan
-    qd = q.detach()
-
-    def stages_step():  # calc_attn's stages, forward then backward, without communication
-        out, lse, _ = forward_accumulators(qd)
-        for st, kk, vv in s.stages:
-            ffa_forward_stage(qd, kk, vv, st.q_ranges, st.k_ranges, st.attn_types, out, lse)
-        out = out.to(qd.dtype)
-        dq = torch.zeros_like(qd, dtype=lse.dtype)
-        for st, kk, vv in s.stages:
-            dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (kk, vv))
-            ffa_backward_stage(dout, qd, kk, vv, out, lse, st.q_ranges, st.k_ranges, st.attn_types,
-                               dq, dk, dv, deterministic=det)  # fmt: skip
-
-    def one_step():
-        out = flex_flash_attn_func(q, k_all, v_all, *s.one_args, deterministic=det)[0]
-        torch.autograd.grad(out, (q, k_all, v_all), dout)
-
     if args.baselines:
-        t_stages = s.time(stages_step)
-        k_all, v_all = (x.requires_grad_() for x in (s.k_all, s.v_all))
-        t_one = s.time(one_step)
+        t_stages, t_one = _local_step_times(s, q, dout, det)
     whole = _whole_step(case, args, s, device, det) if args.whole else None
     t_whole = s.time(whole) if whole is not None else nan
     if args.alternate <= 0:
