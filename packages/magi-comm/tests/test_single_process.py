@@ -316,7 +316,12 @@ def test_reserve_rows_reaches_backends_that_have_it():
     """a2av has nothing to reserve; a backend with ``reserve_rows`` gets the call (none for
     zero rows or bytes); bad arguments are named before any backend sees them."""
     with GroupCollective() as gc:
-        gc.reserve_rows(1000, 4096)  # a2av: no buffer, nothing happens
+        assert not hasattr(gc._require_backend(), "reserve_rows")  # a2av: no buffer to grow
+        gc.reserve_rows(1000, 4096)
+        x = torch.randn(4, 3)  # and the group still works after the call (one rank: a copy)
+        out = torch.full((4, 3), float("nan"))
+        gc.group_cast(x, out, **CAST_OK).wait()
+        assert torch.equal(out, x)
     calls = []
     name = _stub_backend("with-buffer", reserve_rows=lambda self, rows, nbytes: calls.append((rows, nbytes)))
     with GroupCollective(backend=name) as gc:
