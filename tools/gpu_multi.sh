@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -19,6 +19,12 @@
 #               the magi and whole-mask columns medians of 1 + ALTERNATE (default 2) timings in turn
 #   comm        tools/bench_comm.py (its reduce rows against the raw peer copy are the issue's)
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
+#               (CPS, default "4 8": the cp sizes; three steps of up to 420-560 s each per cp size,
+#               so on 8 GPUs one cp size per call, CPS=8, and even that may need the 10 minutes)
+#   cp-step     (not in all) issue 19's cp 4 / cp 8 rows: bench_dist --step with the one-GPU
+#               whole-mask column on every GPU of the machine (NPROC), varlen causal and varlen
+#               full (MASKS), TOKENS_PER_GPU tokens per GPU (default 16384: 128k at cp 8; 32768
+#               for 256k, in its own call)
 #   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
 #               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each
 #               (the baselines and the whole mask in the first only);
@@ -104,7 +110,7 @@ if part comm; then
 fi
 if part cp-rows; then
   if (( ngpu >= 4 )); then
-    for n in 4 8; do
+    for n in ${CPS:-4 8}; do
       (( ngpu >= n )) || continue
       masks=full,causal,varlen_full,varlen_causal,varlen_block_causal
       step "bench_fwd_cp${n}.log" 16 420 env MAGI_COMM_BACKEND=native torchrun --standalone --nproc-per-node $n \
@@ -139,6 +145,14 @@ if [[ $what == trace-step ]]; then
   step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" $run2 tools/bench_dist.py --step \
     --degree 0 --masks "${MASKS:-varlen_causal}" --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
   step trace_summary.log 400 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
+fi
+if [[ $what == cp-step ]]; then
+  nproc=${NPROC:-$ngpu}
+  for tpg in ${TOKENS_PER_GPU:-16384}; do
+    step "bench_step_cp${nproc}_${tpg}.log" 16 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
+      --nproc-per-node "$nproc" tools/bench_dist.py --step --degree 0 --tokens-per-gpu "$tpg" \
+      --masks "${MASKS:-varlen_causal,varlen_full}"
+  done
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
