@@ -19,12 +19,14 @@
 #               the magi and whole-mask columns medians of 1 + ALTERNATE (default 2) timings in turn
 #   comm        tools/bench_comm.py (its reduce rows against the raw peer copy are the issue's)
 #   cp-rows     on 4 or 8 GPUs: bench_dist forward and --step at cp 4 / cp 8, 16k tokens per GPU
-#               (CPS, default "4 8": the cp sizes; three steps of up to 420-560 s each per cp size,
-#               so on 8 GPUs one cp size per call, CPS=8, and even that may need the 10 minutes)
+#               (CPS, default "4 8": the cp sizes; three steps of up to 420 + 560 + 420 s per cp
+#               size, so on 8 GPUs one cp size per call, CPS=8; a slow run is then cut by the
+#               device's 10 minutes, not by its step's timeout)
 #   cp-step     (not in all) issue 19's cp 4 / cp 8 rows: bench_dist --step with the one-GPU
-#               whole-mask column on every GPU of the machine (NPROC), varlen causal and varlen
-#               full (MASKS), TOKENS_PER_GPU tokens per GPU (default 16384: 128k at cp 8; 32768
-#               for 256k, in its own call)
+#               whole-mask column on every GPU of the machine (NPROC, 4 or more), varlen causal and
+#               varlen full (MASKS), TOKENS_PER_GPU tokens per GPU (default 16384: 128k at cp 8;
+#               32768 for 256k, in its own call), the magi and whole-mask columns medians of
+#               1 + ALTERNATE (default 2) timings in turn
 #   switches    (not in all) bench_dist --step at degree 0, native, for the four settings of
 #               MAGI_DIST_KEEP_KV x MAGI_DIST_BWD_SPLIT on NPROC GPUs (default 2): one log each
 #               (the baselines and the whole mask in the first only);
@@ -148,11 +150,15 @@ if [[ $what == trace-step ]]; then
 fi
 if [[ $what == cp-step ]]; then
   nproc=${NPROC:-$ngpu}
-  for tpg in ${TOKENS_PER_GPU:-16384}; do
-    step "bench_step_cp${nproc}_${tpg}.log" 16 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
-      --nproc-per-node "$nproc" tools/bench_dist.py --step --degree 0 --tokens-per-gpu "$tpg" \
-      --masks "${MASKS:-varlen_causal,varlen_full}"
-  done
+  if (( nproc < 4 || nproc > ngpu )); then
+    echo "cp-step: needs NPROC between 4 and the $ngpu GPUs found, got $nproc (skipped)"
+  else
+    for tpg in ${TOKENS_PER_GPU:-16384}; do
+      step "bench_step_cp${nproc}_${tpg}.log" 16 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
+        --nproc-per-node "$nproc" tools/bench_dist.py --step --degree 0 --tokens-per-gpu "$tpg" \
+        --masks "${MASKS:-varlen_causal,varlen_full}" --alternate "${ALTERNATE:-2}"
+    done
+  fi
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \

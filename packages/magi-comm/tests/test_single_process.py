@@ -318,10 +318,10 @@ def test_reserve_rows_reaches_backends_that_have_it():
     with GroupCollective() as gc:
         assert not hasattr(gc._require_backend(), "reserve_rows")  # a2av: no buffer to grow
         gc.reserve_rows(1000, 4096)
-        x = torch.randn(4, 3)  # and the group still works after the call (one rank: a copy)
+        rows = torch.randn(4, 3)  # and the group still works after the call (one rank: a copy)
         out = torch.full((4, 3), float("nan"))
-        gc.group_cast(x, out, **CAST_OK).wait()
-        assert torch.equal(out, x)
+        gc.group_cast(rows, out, **CAST_OK).wait()
+        assert torch.equal(out, rows)
     calls = []
     name = _stub_backend("with-buffer", reserve_rows=lambda self, rows, nbytes: calls.append((rows, nbytes)))
     with GroupCollective(backend=name) as gc:
