@@ -357,18 +357,25 @@ def test_forward_accumulators(dtype):
         forward_accumulators(q[0])
 
 
-def test_backward_prepare_checks_its_arguments_and_changes_no_result():
+def test_backward_prepare_checks_its_arguments_and_changes_no_result(monkeypatch):
     """`ffa_backward_prepare` (the stages' shared preprocess, ahead of them): bad arguments raise
-    naming the argument; on the reference backend it enqueues nothing, and the stage that follows
-    gives the same gradients as without it (the kernel path: test_cute_bwd_gpu.py)."""
+    naming the argument; on the reference backend it enqueues nothing (the kernel module is never
+    loaded), and the stage that follows gives the same gradients as without it (the kernel path:
+    test_cute_bwd_gpu.py)."""
+    import ffa_kernels._backend as backend
+
+    def no_kernel():
+        raise AssertionError("ffa_backward_prepare loaded the kernel module on the reference backend")
+
+    monkeypatch.setattr(backend, "load_cute", no_kernel)
     q, k, v = (torch.randn(6, 2, 4, dtype=torch.float64) for _ in range(3))
     dout = torch.randn(6, 2, 4, dtype=torch.float64)
     qr, kr = _int32([0, 6]), _int32([0, 6])
     out, lse = _fresh_acc(6, 2, 4)
     ffa_forward_stage(q, k, v, qr, kr, None, out, lse)
-    with pytest.raises(TypeError, match=r"^q: "):
+    with pytest.raises(TypeError, match=r"^q must be a torch.Tensor"):
         ffa_backward_prepare(dout, q.numpy(), v, out, lse)
-    with pytest.raises(ValueError, match=r"^v: "):
+    with pytest.raises(ValueError, match=r"^v must be 3-D"):
         ffa_backward_prepare(dout, q, v[0], out, lse)
     with pytest.raises(ValueError, match=r"^dout must have shape"):
         ffa_backward_prepare(dout[:5], q, v, out, lse)

@@ -36,6 +36,7 @@ from ._validate import (
     check_bool,
     check_float_tensor,
     check_sink,
+    check_token_tensor,
     validate_attn_args,
 )
 from .reference.backward import reference_backward_stage
@@ -428,13 +429,7 @@ def ffa_backward_prepare(
         dout, out: ``(Tq, Hq, Dv)``; lse: ``(Tq, Hq)``; q ``(Tq, Hq, D)``, v ``(Tk, Hk, Dv)``;
             softmax_scale, softcap: as for the `ffa_backward_stage` calls that follow.
     """
-    for name, t in (("q", q), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name}: expected 3 dimensions (rows, heads, head dim), got shape {tuple(t.shape)}"
-            )
+    q, v = check_token_tensor("q", q), check_token_tensor("v", v)
     tq, hq, _ = q.shape
     dev, dv = q.device, v.shape[2]
     check_float_tensor("dout", dout, (tq, hq, dv), dev)

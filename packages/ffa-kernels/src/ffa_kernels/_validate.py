@@ -36,6 +36,7 @@ __all__ = [
     "check_float_tensor",
     "check_sink",
     "check_sink_shape",
+    "check_token_tensor",
     "mask_record",
     "register_mask",
     "validate_attn_args",
@@ -92,11 +93,21 @@ def _require_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_token_tensor(name: str, t: object) -> torch.Tensor:
+    """Check that ``t`` is a 3-D ``(tokens, heads, head_dim)`` tensor (q, k or v); return it."""
+    t = _require_tensor(name, t)
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D (tokens, heads, head_dim), got {_desc(t)}")
+    return t
+
+
 def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tensors = {"q": _require_tensor("q", q), "k": _require_tensor("k", k), "v": _require_tensor("v", v)}
+    tensors = {
+        "q": check_token_tensor("q", q),
+        "k": check_token_tensor("k", k),
+        "v": check_token_tensor("v", v),
+    }
     for name, t in tensors.items():
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (tokens, heads, head_dim), got {_desc(t)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype must be one of float16/bfloat16/float32/float64, got {t.dtype}")
     q, k, v = tensors["q"], tensors["k"], tensors["v"]

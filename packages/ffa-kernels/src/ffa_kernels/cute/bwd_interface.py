@@ -315,6 +315,12 @@ def _tma_store_rows(t: torch.Tensor) -> bool:
     )
 
 
+def _dout_as_is(dout: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernel reads ``dout`` itself (in ``dtype``, contiguous, 16-byte aligned), not
+    a converted copy: only then can a preprocess prepared ahead (`cute_backward_prepare`) serve."""
+    return dout.dtype == dtype and dout.is_contiguous() and dout.data_ptr() % 16 == 0
+
+
 def _launch(
     q, k, v, dout, out, lse, plan, cfg, dq, dk, dv, dkv_row_stride, dkv_store, heads_per_cta,
     softmax_scale, softcap, head_group, deterministic,
@@ -325,7 +331,7 @@ def _launch(
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     q = _aligned16(q.contiguous())
-    do = _aligned16(as_dtype(dout, q.dtype).contiguous())
+    do = dout if _dout_as_is(dout, q.dtype) else _aligned16(as_dtype(dout, q.dtype).contiguous())
     fold = fold_scale(softmax_scale, q.dtype)
     stats = bwd_preprocess(do, out, lse, fold)
     k, v, kv_row_stride = _kv_rows(k, v)
@@ -406,9 +412,7 @@ def cute_backward_prepare(
     softmax_scale, _ = kernel_scales(q, v, softmax_scale, softcap, "backward")
     if q.shape[0] == 0:
         return
-    # `_launch` passes dout on as it is only when so (else a converted copy, which no cache holds)
-    as_is = dout.dtype == q.dtype and dout.is_contiguous() and dout.data_ptr() % 16 == 0
-    if as_is and cacheable((dout, out, lse)):
+    if _dout_as_is(dout, q.dtype) and cacheable((dout, out, lse)):  # else the stage's own copy
         bwd_preprocess(dout, out, lse, fold_scale(softmax_scale, q.dtype))
 
 
