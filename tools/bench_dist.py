@@ -498,16 +498,23 @@ def _local_step_times(s: _Setup, q: torch.Tensor, dout: torch.Tensor, det: bool)
     return t_stages, s.time(one_step)
 
 
+def magi_step_fn(s: _Setup, hq: int, det: bool):
+    """``(step, (q, k, v, dout))``: calc_attn forward + backward on this rank's inputs of ``s``
+    (also tools/step_series.py's step)."""
+    q, k, v = (x.requires_grad_() for x in (s.q, s.k, s.v))
+    dout = s.rnd(q.shape[0], hq)
+
+    def step():
+        out, _ = md.calc_attn(q, k, v, s.key, deterministic=det)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    return step, (q, k, v, dout)
+
+
 def measure_step(case: BenchCase, args, group, device, dtype) -> StepRow:
     s = _Setup(case, args, group, device, dtype)
     det = args.deterministic
-    q, k, v = (x.requires_grad_() for x in (s.q, s.k, s.v))
-    dout, key = s.rnd(q.shape[0], args.hq), s.key
-
-    def magi_step():
-        out, _ = md.calc_attn(q, k, v, key, deterministic=det)
-        torch.autograd.grad(out, (q, k, v), dout)
-
+    magi_step, (q, k, v, dout) = magi_step_fn(s, args.hq, det)
     t_magi = s.time(magi_step)
     if args.trace:
         trace(magi_step, f"step_{case.kind}_cp{s.cp}_deg{args.degree}", s.rank, group)

@@ -28,8 +28,6 @@ import bench_dist
 import torch
 import torch.distributed as dist
 
-import magi_dist as md
-
 
 def _nvml_reader():
     """``() -> (SM MHz, W)`` of this process's GPU (torch's NVML helpers, which map the device
@@ -82,13 +80,7 @@ def main(argv=None) -> None:
     try:
         case = bench_dist.bench_cases(args.mask, [args.total])[0]
         setup = bench_dist._Setup(case, bargs, dist.group.WORLD, torch.device("cuda"), torch.bfloat16)
-        q, k, v = (x.requires_grad_() for x in (setup.q, setup.k, setup.v))
-        dout = setup.rnd(q.shape[0], bargs.hq)
-
-        def step():
-            out, _ = md.calc_attn(q, k, v, setup.key)
-            torch.autograd.grad(out, (q, k, v), dout)
-
+        step, _ = bench_dist.magi_step_fn(setup, bargs.hq, bargs.deterministic)
         flops = bench_dist.attn_flops(case.mask.area(), bargs.hq, bargs.d, step=True)
         read_nvml = _nvml_reader()
         for mode in args.modes:
