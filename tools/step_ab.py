@@ -1,0 +1,257 @@
+"""The distributed training step under several settings, timed in turns in one process (run with
+torchrun on N GPUs; on the CPU, gloo ranks run it in the tests):
+
+    torchrun --standalone --nproc-per-node 2 tools/step_ab.py \\
+        --setting default --setting split:MAGI_DIST_BWD_SPLIT=1 \\
+        [--rounds 8] [--profile] [bench_dist.py's case arguments: --masks varlen_causal \\
+        --totals 65536 131072 --iters 8 --degree 0 --hq --hk --d --chunk --deterministic ...]
+
+Why: at cp 2 the GPUs run the step at their power limit, so one timing depends on what ran
+before it, and a process's first steps run cooler than its later ones (docs/perf.md). Comparing
+settings process against process (bench_dist.py once per setting) then measures the order as
+much as the setting. magi_dist's switches are read at each call, so here one process builds each
+case once and times every setting in turn, ``--rounds`` times (``--iters`` steps each, after
+one warm-up step under that setting): each setting's median, its ratio to the first setting.
+
+A setting is ``NAME[:VAR=VALUE[,VAR=VALUE...]]``: the variables set while it is timed (and
+unset, as are the other settings' variables, otherwise). Only the settings magi_dist reads at
+each call are accepted (`PER_CALL_VARIABLES`); the communication backend's ``MAGI_COMM_*``
+settings are read once per process and would silently not apply. ``--degree`` defaults to 0
+here (the switches are about the degree-0 path).
+
+``--profile`` (GPU): after the timings, three steps of each setting under the profiler, and per
+rank the GPU time per step of the attention backward and forward kernels, the fused reduction,
+the copy kernels and the window from the first to the last GPU event (`kernel_times`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+
+# tools/: a script's own folder is first on sys.path (python and torchrun alike)
+import bench_dist
+import torch
+import torch.distributed as dist
+import trace_summary
+
+import magi_dist as md
+from magi_dist.attn import ENV_BWD_LOW_PRECISION_REDUCE, ENV_BWD_SPLIT, ENV_FWD_SPLIT, ENV_KEEP_KV
+from magi_dist.partials import ENV_SYMMETRIC_MB
+
+PER_CALL_VARIABLES = (
+    ENV_BWD_SPLIT,
+    ENV_FWD_SPLIT,
+    ENV_KEEP_KV,
+    ENV_BWD_LOW_PRECISION_REDUCE,
+    ENV_SYMMETRIC_MB,
+)
+
+# what `kernel_times` sums per step, by kernel name: (column, substring, substring it must lack)
+KERNEL_COLUMNS = (
+    ("bwd", "Backward", "Preprocess"),
+    ("fwd", "Forward", None),
+    ("reduce", "_reduce_kernel", None),
+    ("copies", "_copy_kernel", None),
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A named set of environment variables (values as strings)."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_setting(spec: str) -> Setting:
+    """``NAME[:VAR=VALUE,...]`` -> `Setting`; ValueError naming ``--setting`` for a bad one."""
+    name, _, assigns = spec.partition(":")
+    if not name or any(c in name for c in " =,"):
+        raise ValueError(f"--setting: expected NAME[:VAR=VALUE,...], got {spec!r}")
+    env = {}
+    for item in filter(None, assigns.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or var not in PER_CALL_VARIABLES:
+            raise ValueError(
+                f"--setting {name}: expected VAR=VALUE with VAR one of {', '.join(PER_CALL_VARIABLES)} "
+                f"(read at each call), got {item!r}"
+            )
+        env[var] = value
+    return Setting(name, env)
+
+
+@contextlib.contextmanager
+def applied(setting: Setting, others: list[Setting]):
+    """The environment with ``setting``'s variables set and the rest of ``others``' unset; the
+    previous values back afterwards."""
+    names = {v for s in others for v in s.env} | set(setting.env)
+    saved = {v: os.environ.get(v) for v in names}
+    try:
+        for v in names:
+            os.environ.pop(v, None)
+        os.environ.update(setting.env)
+        yield
+    finally:
+        for v, old in saved.items():
+            if old is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = old
+
+
+def round_robin(timers: dict[str, object], rounds: int) -> dict[str, list[float]]:
+    """Call every timer in turn (a, b, c, a, b, c, ...), ``rounds`` times: their results by name."""
+    out: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            out[name].append(timer())
+    return out
+
+
+def ab_table(title: str, seconds: dict[str, list[float]], flops: float, cp: int) -> str:
+    """One row per setting: median step time, TFLOP/s per GPU at that median, the ratio of the
+    median to the first setting's and every timing in turn."""
+    lines = [
+        f"{title}",
+        "| setting | median ms | TFLOP/s/GPU | vs first | timings ms |",
+        "|---|---|---|---|---|",
+    ]
+    base = None
+    for name, ts in seconds.items():
+        med = statistics.median(ts)
+        base = base or med
+        runs = " ".join(f"{t * 1e3:.2f}" for t in ts)
+        lines.append(
+            f"| {name} | {med * 1e3:.3f} | {bench_dist.tflops(flops, med, cp):.1f} | {med / base - 1:+.1%} | {runs} |"
+        )
+    return "\n".join(lines)
+
+
+def kernel_times(trace: dict, steps: int) -> dict[str, float]:
+    """GPU microseconds per step in a Chrome trace of ``steps`` steps: each `KERNEL_COLUMNS`
+    column's kernels summed, and ``window``, the first GPU event's start to the last one's end."""
+    events = trace_summary.gpu_events(trace)
+    out = {
+        col: sum(e.end - e.start for e in events if sub in e.name and not (lack and lack in e.name)) / steps
+        for col, sub, lack in KERNEL_COLUMNS
+    }
+    out["window"] = (max(e.end for e in events) - min(e.start for e in events)) / steps if events else 0.0
+    return out
+
+
+def _profile(step, steps: int = 3) -> dict[str, float]:
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return kernel_times(json.load(f), steps)
+
+
+def _profile_table(title: str, per_setting: dict[str, list[dict[str, float]]]) -> str:
+    cols = [c for c, _, _ in KERNEL_COLUMNS] + ["window"]
+    lines = [
+        title,
+        "| setting | rank | " + " | ".join(f"{c} us" for c in cols) + " |",
+        "|---" * (len(cols) + 2) + "|",
+    ]
+    for name, ranks in per_setting.items():
+        for r, times in enumerate(ranks):
+            lines.append(f"| {name} | {r} | " + " | ".join(f"{times[c]:.0f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def measure(case, bargs, settings: list[Setting], rounds: int, profile: bool, group, device, dtype) -> str:
+    """The tables of one case (see the module docstring)."""
+    s = bench_dist._Setup(case, bargs, group, device, dtype)
+    step, _ = bench_dist.magi_step_fn(s, bargs.hq, bargs.deterministic)
+
+    def timer(setting: Setting):
+        def run() -> float:
+            with applied(setting, settings):
+                return bench_dist.timeit(step, bargs.iters, group, device)
+
+        return run
+
+    seconds = round_robin({st.name: timer(st) for st in settings}, rounds)
+    flops = bench_dist.attn_flops(case.mask.area(), bargs.hq, bargs.d, step=True)
+    text = ab_table(f"{case.name}: the step per setting, {rounds} rounds in turn", seconds, flops, s.cp)
+    if profile and device.type == "cuda":
+        per_setting = {}
+        for st in settings:
+            with applied(st, settings):
+                mine = _profile(step)
+            gathered: list[object] = [None] * s.cp
+            dist.all_gather_object(gathered, mine, group=group)
+            per_setting[st.name] = gathered
+        text += "\n\n" + _profile_table(f"{case.name}: GPU time per step (profiler, 3 steps)", per_setting)
+    return text
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """``(this tool's arguments, bench_dist's)``: the arguments this tool does not know go to
+    bench_dist.py's parser (with ``--step`` and, unless given, ``--degree 0``)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setting", action="append", required=True, help="NAME[:VAR=VALUE,...]; repeat it")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="also per-kernel GPU time per setting (GPU)")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        args.settings = [parse_setting(spec) for spec in args.setting]
+    except ValueError as e:
+        ap.error(str(e))
+    names = [st.name for st in args.settings]
+    if len(set(names)) != len(names):
+        ap.error(f"--setting: names must differ, got {names}")
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
+    return args, bench_dist.parse_args(["--step", "--degree", "0", *rest])
+
+
+def run(args: argparse.Namespace, bargs: argparse.Namespace, group=None) -> str:
+    """Every case of ``bargs`` on this group (NCCL: bf16 on this rank's GPU; else the CPU in
+    float32); returns the tables (printed by rank 0)."""
+    group = group or dist.group.WORLD
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cp = dist.get_world_size(group)
+    totals = [bargs.tokens_per_gpu * cp] if bargs.tokens_per_gpu > 0 else bargs.totals
+    parts = [
+        f"cp {cp}, Hq {bargs.hq}, Hk {bargs.hk}, D {bargs.d}, {str(dtype).removeprefix('torch.')}, "
+        f"overlap degree {bargs.degree}, {bargs.iters} steps per timing, comm backend "
+        f"{os.environ.get('MAGI_COMM_BACKEND', 'a2av')}; settings: "
+        + "; ".join(f"{st.name} {st.env or '{}'}" for st in args.settings)
+    ]
+    for case in bench_dist.bench_cases(bargs.masks, totals):
+        parts.append(measure(case, bargs, args.settings, args.rounds, args.profile, group, device, dtype))
+        md.clear_cache()
+    text = "\n\n".join(parts)
+    if dist.get_rank(group) == 0:
+        print(text, flush=True)
+    return text
+
+
+def main(argv=None) -> None:
+    args, bargs = parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    bench_dist.init_nccl(bargs.comm_priority == "high")
+    try:
+        run(args, bargs)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
