@@ -41,11 +41,18 @@ import torch.distributed as dist
 import trace_summary
 
 import magi_dist as md
-from magi_dist.attn import ENV_BWD_LOW_PRECISION_REDUCE, ENV_BWD_SPLIT, ENV_FWD_SPLIT, ENV_KEEP_KV
+from magi_dist.attn import (
+    ENV_BWD_LOW_PRECISION_REDUCE,
+    ENV_BWD_SPLIT,
+    ENV_BWD_SPLIT_STREAMS,
+    ENV_FWD_SPLIT,
+    ENV_KEEP_KV,
+)
 from magi_dist.partials import ENV_SYMMETRIC_MB
 
 PER_CALL_VARIABLES = (
     ENV_BWD_SPLIT,
+    ENV_BWD_SPLIT_STREAMS,
     ENV_FWD_SPLIT,
     ENV_KEEP_KV,
     ENV_BWD_LOW_PRECISION_REDUCE,
@@ -145,9 +152,11 @@ def kernel_times(trace: dict, steps: int) -> dict[str, float]:
     return out
 
 
-def _profile(step, steps: int = 3) -> dict[str, float]:
+def _profile(step, group, steps: int = 3) -> dict[str, float]:
     step()
     torch.cuda.synchronize()
+    # together: a rank that started alone would time its collectives' waits for the others
+    dist.barrier(group)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -191,7 +200,7 @@ def measure(case, bargs, settings: list[Setting], rounds: int, profile: bool, gr
         per_setting = {}
         for st in settings:
             with applied(st, settings):
-                mine = _profile(step)
+                mine = _profile(step, group)
             gathered: list[object] = [None] * s.cp
             dist.all_gather_object(gathered, mine, group=group)
             per_setting[st.name] = gathered

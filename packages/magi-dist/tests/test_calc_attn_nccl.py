@@ -47,6 +47,17 @@ def test_calc_attn_nccl(world, comm):
     spawn_gloo(world, gpu_cases(), env={"MAGI_COMM_BACKEND": comm}, backend="nccl")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("streams", ["0", "1"])
+def test_split_backward_nccl(streams):
+    """The degree-0 backward split by keys (its local keys' kernel beside the remote keys' one
+    on a second stream, or after it on one) equals single-GPU attention, dq, dk and dv."""
+    cases = [c for c in gpu_cases() if c.degree == 0]
+    assert cases
+    env = {"MAGI_COMM_BACKEND": "native", "MAGI_DIST_BWD_SPLIT": "1", "MAGI_DIST_BWD_SPLIT_STREAMS": streams}
+    spawn_gloo(2, cases, env=env, backend="nccl")
+
+
 def _preprocess_launches(rank: int, world: int, split: str) -> int:
     """This rank's launches of the backward preprocess in one degree-0 calc_attn backward
     (bf16 on its GPU; ``split``: $MAGI_DIST_BWD_SPLIT)."""
