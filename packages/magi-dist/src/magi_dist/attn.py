@@ -442,6 +442,14 @@ def _backward_concat(
     # the local keys' kernel beside the remote keys' one (bwd_split_streams): both add into dq,
     # so not in deterministic mode, whose dq order is that of one stream
     side = _side_stream(q.device) if split and not det and q.is_cuda and bwd_split_streams() else None
+    # the local keys' call (split) writes the local rows while the reduce would add into them.
+    # Zeroed before the kernels: behind the remote keys' kernel it would wait for SMs behind
+    # every CTA of a local keys' kernel enqueued beside, and the reduce with it
+    dkv_remote = (
+        None
+        if last is None and red_dtype == dkv.dtype
+        else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
+    )
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(q.device))  # the zeros, the preprocess, the K/V
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
@@ -458,12 +466,6 @@ def _backward_concat(
         # until the caller's stream waits for it below, before any of it can be freed or reused.
         with torch.cuda.stream(side):
             local_keys()
-    # the local keys' call (split) writes the local rows while the reduce would add into them
-    dkv_remote = (
-        None
-        if last is None and red_dtype == dkv.dtype
-        else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
-    )
     work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
