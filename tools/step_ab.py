@@ -44,7 +44,6 @@ import magi_dist as md
 from magi_dist.attn import (
     ENV_BWD_LOW_PRECISION_REDUCE,
     ENV_BWD_SPLIT,
-    ENV_BWD_SPLIT_STREAMS,
     ENV_FWD_SPLIT,
     ENV_KEEP_KV,
 )
@@ -52,7 +51,6 @@ from magi_dist.partials import ENV_SYMMETRIC_MB
 
 PER_CALL_VARIABLES = (
     ENV_BWD_SPLIT,
-    ENV_BWD_SPLIT_STREAMS,
     ENV_FWD_SPLIT,
     ENV_KEEP_KV,
     ENV_BWD_LOW_PRECISION_REDUCE,

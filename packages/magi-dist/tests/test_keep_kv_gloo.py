@@ -231,7 +231,6 @@ def test_split_forward_matches_single_process():
     [
         ("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"),
         ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on"),
-        ("MAGI_DIST_BWD_SPLIT_STREAMS", "bwd_split_streams", (), "2"),
         ("MAGI_DIST_FWD_SPLIT", "fwd_split", (), "true"),
         ("MAGI_DIST_BWD_LOW_PRECISION_REDUCE", "bwd_reduce_dtype", (torch.float32, torch.bfloat16), "bf16"),
     ],
@@ -255,17 +254,6 @@ def test_the_backward_splits_from_cp_4_unless_told(monkeypatch, value, cp, split
     else:
         monkeypatch.setenv("MAGI_DIST_BWD_SPLIT", value)
     assert attn.bwd_split(cp) is split
-
-
-@pytest.mark.parametrize("value, streams", [(None, True), ("1", True), ("0", False)])
-def test_the_split_backward_uses_two_streams_unless_told(monkeypatch, value, streams):
-    import magi_dist.attn as attn
-
-    if value is None:
-        monkeypatch.delenv("MAGI_DIST_BWD_SPLIT_STREAMS", raising=False)
-    else:
-        monkeypatch.setenv("MAGI_DIST_BWD_SPLIT_STREAMS", value)
-    assert attn.bwd_split_streams() is streams
 
 
 SWITCH_RUNS = (("0", "0"), ("1", "0"), ("0", "1"))  # (BWD_LOW_PRECISION_REDUCE, BWD_SPLIT)

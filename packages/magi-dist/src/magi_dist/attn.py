@@ -10,8 +10,7 @@ same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows 
 which then casts nothing: one collective less per step, for the memory of those rows. With
 ``MAGI_DIST_BWD_SPLIT=1`` (the default from cp 4 on) the degree-0 backward computes the remote
 keys' part first, starts their dK/dV reduce, and computes the local keys' part while it travels
-(two kernel calls instead of one, the second on a stream of its own beside the first:
-``MAGI_DIST_BWD_SPLIT_STREAMS``; the same collectives). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does
+(two kernel calls instead of one; the same collectives). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does
 the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
 ``MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1`` (opt-in, the same on every rank) reduces the partial
 dK/dV in the inputs' dtype instead of float32, as MagiAttention does by default: half the bytes,
@@ -52,7 +51,6 @@ ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
-ENV_BWD_SPLIT_STREAMS = "MAGI_DIST_BWD_SPLIT_STREAMS"
 ENV_FWD_SPLIT = "MAGI_DIST_FWD_SPLIT"
 ENV_BWD_LOW_PRECISION_REDUCE = "MAGI_DIST_BWD_LOW_PRECISION_REDUCE"
 
@@ -88,25 +86,6 @@ def bwd_split(cp_size: int) -> bool:
     reduce overlaps the local keys' kernel; unset: split from ``BWD_SPLIT_MIN_CP`` ranks on,
     where the reduce moves more of a step than at cp 2."""
     return _flag(ENV_BWD_SPLIT, default=cp_size >= BWD_SPLIT_MIN_CP)
-
-
-def bwd_split_streams() -> bool:
-    """``$MAGI_DIST_BWD_SPLIT_STREAMS`` (read at each split backward, on a GPU, outside
-    deterministic mode): ``1`` (the default) launches the local keys' kernel on a second stream
-    right after the remote keys' kernel, so that its CTAs take the SMs the remote keys' kernel
-    frees in its tail instead of waiting for its last CTA; ``0``: both on the caller's stream."""
-    return _flag(ENV_BWD_SPLIT_STREAMS, default=True)
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream per GPU for the split backward's local keys' kernel."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
 
 
 def fwd_split() -> bool:
@@ -439,38 +418,19 @@ def _backward_concat(
         halves = rt.concat_parts(q.device)
         assert halves is not None  # a degree-0 rank has its concatenated stage
         last, first = halves
-    # the local keys' kernel beside the remote keys' one (bwd_split_streams): both add into dq,
-    # so not in deterministic mode, whose dq order is that of one stream
-    side = _side_stream(q.device) if split and not det and q.is_cuda and bwd_split_streams() else None
-    # the local keys' call (split) writes the local rows while the reduce would add into them.
-    # Zeroed before the kernels: behind the remote keys' kernel it would wait for SMs behind
-    # every CTA of a local keys' kernel enqueued beside, and the reduce with it
+    # the local keys' call (split) writes the local rows while the reduce would add into them;
+    # zeroed before the kernels, so that the reduce starts as the remote keys' kernel ends
     dkv_remote = (
         None
         if last is None and red_dtype == dkv.dtype
         else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
     )
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))  # the zeros, the preprocess, the K/V
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
-
-    def local_keys() -> None:
-        assert last is not None  # only a split call has a local keys' part
+    work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
+    if last is not None:
         local_k, local_v = _split(kv[:tk], hk, d)
         local_dk, local_dv = _split(dkv[:tk], hk, d)
         _bwd_stage(dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det)
-
-    if side is not None:
-        # Enqueued right after the remote keys' kernel, so the block scheduler runs that kernel's
-        # CTAs first. Everything it reads or writes (the preprocess's cached statistics too) lives
-        # until the caller's stream waits for it below, before any of it can be freed or reused.
-        with torch.cuda.stream(side):
-            local_keys()
-    work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
-    elif last is not None:
-        local_keys()
     return dq, dkv, [work], dkv_remote
 
 
