@@ -151,14 +151,20 @@ def kernel_times(trace: dict, steps: int) -> dict[str, float]:
 
 
 def _profile(step, group, steps: int = 3) -> dict[str, float]:
-    step()
-    torch.cuda.synchronize()
-    # together: a rank that started alone would time its collectives' waits for the others
-    dist.barrier(group)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
+    # One step in the profiler's warm-up (the tracer starts there, taking a different time on
+    # each rank), then the ranks together, then the recorded steps: else a rank's collectives
+    # would wait in the record for a peer whose tracer was still starting.
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=schedule) as prof:
+        step()
         torch.cuda.synchronize()
+        dist.barrier(group)
+        prof.step()
+        for i in range(steps):
+            step()
+            if i == steps - 1:
+                torch.cuda.synchronize()
+            prof.step()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
