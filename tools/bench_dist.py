@@ -438,15 +438,22 @@ def _whole_step(case: BenchCase, args, s: _Setup, device, det: bool):
     return whole_step
 
 
+def round_robin(timers: dict, rounds: int) -> dict[str, list[float]]:
+    """Call every timer in turn (a, b, c, a, b, c, ...), ``rounds`` times: their results by name.
+    The GPUs run a step at their power limit, so one mean depends on what ran before it
+    (docs/perf.md); taking turns spreads that over all of them."""
+    out: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            out[name].append(timer())
+    return out
+
+
 def alternate_timings(time_a, time_b, first_a: float, first_b: float, rounds: int):
     """``first_a`` / ``first_b`` and ``rounds`` more timings of each, taken in turn (a, b, a, b,
-    ...): ``(a's timings, b's timings)``. The GPUs run a step at their power limit, so one mean
-    depends on what ran before it (docs/perf.md); alternating spreads that over both."""
-    a, b = [first_a], [first_b]
-    for _ in range(rounds):
-        a.append(time_a())
-        b.append(time_b())
-    return a, b
+    ...; `round_robin`): ``(a's timings, b's timings)``."""
+    more = round_robin({"a": time_a, "b": time_b}, rounds)
+    return [first_a, *more["a"]], [first_b, *more["b"]]
 
 
 def _peer_step_times(case: BenchCase, args, s: _Setup, tensors, group, device) -> tuple[float, float, float]:
@@ -617,21 +624,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, group=None) -> str:
-    """Benchmark every case on this group (initialised; NCCL with one GPU per rank: bf16 on the
-    GPU, else the CPU in float32); returns the tables (printed by rank 0)."""
-    group = group or dist.group.WORLD
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+def run_setup(args: argparse.Namespace, group) -> tuple[torch.device, torch.dtype, list[BenchCase], str]:
+    """``(device, dtype, cases, header)`` of a run on ``group`` (NCCL with one GPU per rank: bf16
+    on the GPU, else the CPU in float32; `bench_cases` of ``args``; the settings line)."""
+    cp = dist.get_world_size(group)
     cuda = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     totals = [args.tokens_per_gpu * cp] if args.tokens_per_gpu > 0 else args.totals
-    cases = bench_cases(args.masks, totals)
     head = (
         f"cp {cp}, Hq {args.hq}, Hk {args.hk}, D {args.d}, {str(dtype).removeprefix('torch.')}, "
         f"chunk {args.chunk}, overlap degree {args.degree}, comm streams at {args.comm_priority} priority, "
         f"comm backend {os.environ.get('MAGI_COMM_BACKEND', 'a2av')}"
     )
+    return device, dtype, bench_cases(args.masks, totals), head
+
+
+def run(args: argparse.Namespace, group=None) -> str:
+    """Benchmark every case on this group (initialised; see `run_setup`); returns the tables
+    (printed by rank 0)."""
+    group = group or dist.group.WORLD
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    device, dtype, cases, head = run_setup(args, group)
     if args.step:
         rows = []
         for case in cases:

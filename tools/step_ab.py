@@ -13,11 +13,13 @@ much as the setting. magi_dist's switches are read at each call, so here one pro
 case once and times every setting in turn, ``--rounds`` times (``--iters`` steps each, after
 one warm-up step under that setting): each setting's median, its ratio to the first setting.
 
-A setting is ``NAME[:VAR=VALUE[,VAR=VALUE...]]``: the variables set while it is timed (and
-unset, as are the other settings' variables, otherwise). Only the settings magi_dist reads at
-each call are accepted (`PER_CALL_VARIABLES`); the communication backend's ``MAGI_COMM_*``
-settings are read once per process and would silently not apply. ``--degree`` defaults to 0
-here (the switches are about the degree-0 path).
+A setting is ``NAME[:VAR=VALUE[,VAR=VALUE...]]``: the variables set while it is timed, every
+other switch of `PER_CALL_VARIABLES` unset then (also one exported outside). Only the switches
+magi_dist reads at each call are accepted, their values checked when the arguments are parsed;
+the communication backend's ``MAGI_COMM_*`` settings are read once per process and would
+silently not apply. A setting that sizes the symmetric partials' pool frees it after each of its
+timings (collective), so the next setting runs without it. ``--degree`` defaults to 0 here (the
+switches are about the degree-0 path); bench_dist's ``--trace`` and ``--alternate`` are refused.
 
 ``--profile`` (GPU): after the timings, three steps of each setting under the profiler, and per
 rank the GPU time per step of the attention backward and forward kernels, the fused reduction,
@@ -41,28 +43,26 @@ import torch.distributed as dist
 import trace_summary
 
 import magi_dist as md
-from magi_dist.attn import (
-    ENV_BWD_LOW_PRECISION_REDUCE,
-    ENV_BWD_SPLIT,
-    ENV_FWD_SPLIT,
-    ENV_KEEP_KV,
-)
-from magi_dist.partials import ENV_SYMMETRIC_MB
+from magi_dist import attn as md_attn
+from magi_dist.partials import ENV_SYMMETRIC_MB, free_partials, symmetric_budget
 
-PER_CALL_VARIABLES = (
-    ENV_BWD_SPLIT,
-    ENV_FWD_SPLIT,
-    ENV_KEEP_KV,
-    ENV_BWD_LOW_PRECISION_REDUCE,
-    ENV_SYMMETRIC_MB,
-)
+# the switches magi_dist reads at each call, with a reader that raises on a bad value
+PER_CALL_VARIABLES = {
+    md_attn.ENV_BWD_SPLIT: lambda: md_attn.bwd_split(2),
+    md_attn.ENV_FWD_SPLIT: md_attn.fwd_split,
+    md_attn.ENV_KEEP_KV: md_attn.keep_kv,
+    md_attn.ENV_BWD_LOW_PRECISION_REDUCE: lambda: md_attn.bwd_reduce_dtype(torch.float32, torch.bfloat16),
+    ENV_SYMMETRIC_MB: symmetric_budget,
+}
 
-# what `kernel_times` sums per step, by kernel name: (column, substring, substring it must lack)
+# what `kernel_times` sums per step: (column, a kernel name contains it, or is it when exact):
+# the attention kernels by their classes, magi-comm's Triton kernels by their names (torch's own
+# copies, "direct_copy_kernel_cuda", are not magi-comm's)
 KERNEL_COLUMNS = (
-    ("bwd", "Backward", "Preprocess"),
-    ("fwd", "Forward", None),
-    ("reduce", "_reduce_kernel", None),
-    ("copies", "_copy_kernel", None),
+    ("bwd", "FFABackward", False),
+    ("fwd", "FFAForward", False),
+    ("reduce", "_reduce_kernel", True),
+    ("copies", "_copy_kernel", True),
 )
 
 
@@ -88,14 +88,22 @@ def parse_setting(spec: str) -> Setting:
                 f"(read at each call), got {item!r}"
             )
         env[var] = value
-    return Setting(name, env)
+    setting = Setting(name, env)
+    with applied(setting):  # a bad value raises here, not in the first timed step
+        for var in env:
+            try:
+                PER_CALL_VARIABLES[var]()
+            except ValueError as e:
+                raise ValueError(f"--setting {name}: {e}") from e
+    return setting
 
 
 @contextlib.contextmanager
-def applied(setting: Setting, others: list[Setting]):
-    """The environment with ``setting``'s variables set and the rest of ``others``' unset; the
-    previous values back afterwards."""
-    names = {v for s in others for v in s.env} | set(setting.env)
+def applied(setting: Setting):
+    """The environment with ``setting``'s variables set and every other of `PER_CALL_VARIABLES`
+    unset (a value exported outside would otherwise hold in every setting); the previous values
+    back afterwards."""
+    names = set(PER_CALL_VARIABLES)
     saved = {v: os.environ.get(v) for v in names}
     try:
         for v in names:
@@ -108,15 +116,6 @@ def applied(setting: Setting, others: list[Setting]):
                 os.environ.pop(v, None)
             else:
                 os.environ[v] = old
-
-
-def round_robin(timers: dict[str, object], rounds: int) -> dict[str, list[float]]:
-    """Call every timer in turn (a, b, c, a, b, c, ...), ``rounds`` times: their results by name."""
-    out: dict[str, list[float]] = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            out[name].append(timer())
-    return out
 
 
 def ab_table(title: str, seconds: dict[str, list[float]], flops: float, cp: int) -> str:
@@ -143,8 +142,8 @@ def kernel_times(trace: dict, steps: int) -> dict[str, float]:
     column's kernels summed, and ``window``, the first GPU event's start to the last one's end."""
     events = trace_summary.gpu_events(trace)
     out = {
-        col: sum(e.end - e.start for e in events if sub in e.name and not (lack and lack in e.name)) / steps
-        for col, sub, lack in KERNEL_COLUMNS
+        col: sum(e.end - e.start for e in events if (e.name == name if exact else name in e.name)) / steps
+        for col, name, exact in KERNEL_COLUMNS
     }
     out["window"] = (max(e.end for e in events) - min(e.start for e in events)) / steps if events else 0.0
     return out
@@ -185,6 +184,13 @@ def _profile_table(title: str, per_setting: dict[str, list[dict[str, float]]]) -
     return "\n".join(lines)
 
 
+def _drop_pool(setting: Setting, group) -> None:
+    """After a setting that sizes the symmetric partials' pool: free it (collective), so that the
+    next setting neither reuses its buffers nor runs with less symmetric memory beside them."""
+    if ENV_SYMMETRIC_MB in setting.env:
+        free_partials(group)
+
+
 def measure(case, bargs, settings: list[Setting], rounds: int, profile: bool, group, device, dtype) -> str:
     """The tables of one case (see the module docstring)."""
     s = bench_dist._Setup(case, bargs, group, device, dtype)
@@ -192,19 +198,22 @@ def measure(case, bargs, settings: list[Setting], rounds: int, profile: bool, gr
 
     def timer(setting: Setting):
         def run() -> float:
-            with applied(setting, settings):
-                return bench_dist.timeit(step, bargs.iters, group, device)
+            with applied(setting):
+                seconds = bench_dist.timeit(step, bargs.iters, group, device)
+            _drop_pool(setting, group)
+            return seconds
 
         return run
 
-    seconds = round_robin({st.name: timer(st) for st in settings}, rounds)
+    seconds = bench_dist.round_robin({st.name: timer(st) for st in settings}, rounds)
     flops = bench_dist.attn_flops(case.mask.area(), bargs.hq, bargs.d, step=True)
     text = ab_table(f"{case.name}: the step per setting, {rounds} rounds in turn", seconds, flops, s.cp)
     if profile and device.type == "cuda":
         per_setting = {}
         for st in settings:
-            with applied(st, settings):
+            with applied(st):
                 mine = _profile(step, group)
+            _drop_pool(st, group)
             gathered: list[object] = [None] * s.cp
             dist.all_gather_object(gathered, mine, group=group)
             per_setting[st.name] = gathered
@@ -218,7 +227,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setting", action="append", required=True, help="NAME[:VAR=VALUE,...]; repeat it")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--profile", action="store_true", help="also per-kernel GPU time per setting (GPU)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also per-kernel GPU time per setting (on GPUs; none on the CPU)",
+    )
     args, rest = ap.parse_known_args(argv)
     try:
         args.settings = [parse_setting(spec) for spec in args.setting]
@@ -229,25 +242,23 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
         ap.error(f"--setting: names must differ, got {names}")
     if args.rounds < 1:
         ap.error(f"--rounds: expected >= 1, got {args.rounds}")
-    return args, bench_dist.parse_args(["--step", "--degree", "0", *rest])
+    bargs = bench_dist.parse_args(["--step", "--degree", "0", *rest])
+    if bargs.trace or bargs.alternate:
+        ap.error("--trace, --alternate: bench_dist.py's, not this tool's (it takes turns itself)")
+    return args, bargs
 
 
 def run(args: argparse.Namespace, bargs: argparse.Namespace, group=None) -> str:
     """Every case of ``bargs`` on this group (NCCL: bf16 on this rank's GPU; else the CPU in
     float32); returns the tables (printed by rank 0)."""
     group = group or dist.group.WORLD
-    cuda = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cp = dist.get_world_size(group)
-    totals = [bargs.tokens_per_gpu * cp] if bargs.tokens_per_gpu > 0 else bargs.totals
+    device, dtype, cases, head = bench_dist.run_setup(bargs, group)
+    det = ", deterministic backward" if bargs.deterministic else ""
     parts = [
-        f"cp {cp}, Hq {bargs.hq}, Hk {bargs.hk}, D {bargs.d}, {str(dtype).removeprefix('torch.')}, "
-        f"overlap degree {bargs.degree}, {bargs.iters} steps per timing, comm backend "
-        f"{os.environ.get('MAGI_COMM_BACKEND', 'a2av')}; settings: "
+        f"{head}{det}, {bargs.iters} steps per timing; settings: "
         + "; ".join(f"{st.name} {st.env or '{}'}" for st in args.settings)
     ]
-    for case in bench_dist.bench_cases(bargs.masks, totals):
+    for case in cases:
         parts.append(measure(case, bargs, args.settings, args.rounds, args.profile, group, device, dtype))
         md.clear_cache()
     text = "\n\n".join(parts)

@@ -397,8 +397,8 @@ def _backward_concat(
     reduce travels, the local keys' on the local rows alone (views ``[:tk]``, so that no key tile
     of it reaches a row the reduce reads).
 
-    What reads no remote row (dq's and the buffer's zeros, the kernel's preprocess) is enqueued
-    while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 -> 0.78 ms from the forward's
+    What reads no remote row (dq's, the buffer's and the owners' sums' zeros, the kernel's
+    preprocess) is enqueued while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 -> 0.78 ms from the forward's
     end to the backward kernel; docs/perf.md)."""
     dout, q, out, lse, scale, softcap, det = common
     tk, hk, d = k.shape
@@ -409,22 +409,23 @@ def _backward_concat(
     kv, cast = (kept, None) if kept is not None else _start_concat_kv(rt, k, v)
     dq = torch.zeros(q.shape, dtype=parts.dtype, device=q.device)
     dkv = parts.zeros(0, rows)
-    if not st.empty:
-        ffa_backward_prepare(dout, q, v, out, lse, softmax_scale=scale, softcap=softcap)
-    if cast is not None:
-        cast.wait()
     first, last = st, None
     if split:  # the remote keys first, their rows' reduce started, then the local keys while it travels
         halves = rt.concat_parts(q.device)
         assert halves is not None  # a degree-0 rank has its concatenated stage
         last, first = halves
     # the local keys' call (split) writes the local rows while the reduce would add into them;
-    # zeroed before the kernels, so that the reduce starts as the remote keys' kernel ends
+    # zeroed with the rest here, not behind the remote keys' kernel, where the reduce would wait
+    # for the fill
     dkv_remote = (
         None
         if last is None and red_dtype == dkv.dtype
         else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
     )
+    if not st.empty:
+        ffa_backward_prepare(dout, q, v, out, lse, softmax_scale=scale, softcap=softcap)
+    if cast is not None:
+        cast.wait()
     _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
     work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
     if last is not None:
