@@ -44,6 +44,7 @@ The pure parts (cases, FLOPs, tables) are importable and tested on the CPU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -326,6 +327,18 @@ def init_nccl(high_priority: bool) -> None:
     os.environ[ENV_STREAM_PRIORITY] = "-1" if high_priority else "0"
     opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
     dist.init_process_group("nccl", pg_options=opts)
+
+
+@contextlib.contextmanager
+def nccl_ranks(high_priority: bool):
+    """This torchrun process on its GPU (``$LOCAL_RANK``) in the NCCL process group of
+    `init_nccl`, destroyed on the way out (the tools' ``main``)."""
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    init_nccl(high_priority)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -626,7 +639,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_setup(args: argparse.Namespace, group) -> tuple[torch.device, torch.dtype, list[BenchCase], str]:
     """``(device, dtype, cases, header)`` of a run on ``group`` (NCCL with one GPU per rank: bf16
-    on the GPU, else the CPU in float32; `bench_cases` of ``args``; the settings line)."""
+    on the GPU, else the CPU in float32; `bench_cases` of ``args``; the settings line, the
+    deterministic backward named there for ``--step``)."""
     cp = dist.get_world_size(group)
     cuda = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -636,6 +650,7 @@ def run_setup(args: argparse.Namespace, group) -> tuple[torch.device, torch.dtyp
         f"cp {cp}, Hq {args.hq}, Hk {args.hk}, D {args.d}, {str(dtype).removeprefix('torch.')}, "
         f"chunk {args.chunk}, overlap degree {args.degree}, comm streams at {args.comm_priority} priority, "
         f"comm backend {os.environ.get('MAGI_COMM_BACKEND', 'a2av')}"
+        + (", deterministic backward" if args.step and args.deterministic else "")
     )
     return device, dtype, bench_cases(args.masks, totals), head
 
@@ -651,9 +666,8 @@ def run(args: argparse.Namespace, group=None) -> str:
         for case in cases:
             rows.append(measure_step(case, args, group, device, dtype))
             md.clear_cache()
-        det = ", deterministic backward" if args.deterministic else ""
         text = (
-            f"\n{head}{det}\nforward + backward, TFLOP/s per GPU over the mask area, backward counted "
+            f"\n{head}\nforward + backward, TFLOP/s per GPU over the mask area, backward counted "
             f"{BACKWARD_FACTOR}x the forward; torch ring CP: MHA K/V, plain causal/full mask\n"
             + step_table(rows, cp)
         )
@@ -678,12 +692,8 @@ def run(args: argparse.Namespace, group=None) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_nccl(args.comm_priority == "high")
-    try:
+    with nccl_ranks(args.comm_priority == "high"):
         run(args)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

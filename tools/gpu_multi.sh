@@ -67,6 +67,13 @@ step() {
   echo "-- exit $st after $((SECONDS - start))s"
 }
 part() { [[ $what == "$1" || $what == all ]]; }
+# on_gpus N LOG SECONDS ARGS...: tools/bench_dist.py ARGS on N GPUs, native comm (cp-rows, cp-step)
+on_gpus() {
+  local n=$1 log=$2 secs=$3
+  shift 3
+  step "$log" 16 "$secs" env MAGI_COMM_BACKEND=native torchrun --standalone --nproc-per-node "$n" \
+    tools/bench_dist.py "$@"
+}
 
 if (( ngpu < 2 )); then
   echo "gpu_multi.sh: needs at least 2 GPUs, found $ngpu" >&2
@@ -115,10 +122,8 @@ if part cp-rows; then
     for n in ${CPS:-4 8}; do
       (( ngpu >= n )) || continue
       masks=full,causal,varlen_full,varlen_causal,varlen_block_causal
-      step "bench_fwd_cp${n}.log" 16 420 env MAGI_COMM_BACKEND=native torchrun --standalone --nproc-per-node $n \
-        tools/bench_dist.py --tokens-per-gpu 16384 --degree 0 --masks $masks
-      step "bench_step_cp${n}.log" 16 560 env MAGI_COMM_BACKEND=native torchrun --standalone --nproc-per-node $n \
-        tools/bench_dist.py --step --tokens-per-gpu 16384 --degree 0 --masks $masks --no-whole
+      on_gpus "$n" "bench_fwd_cp${n}.log" 420 --tokens-per-gpu 16384 --degree 0 --masks $masks
+      on_gpus "$n" "bench_step_cp${n}.log" 560 --step --tokens-per-gpu 16384 --degree 0 --masks $masks --no-whole
       step "gpu_tests_cp${n}.log" 8 420 python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist
     done
   else
@@ -154,8 +159,7 @@ if [[ $what == cp-step ]]; then
     echo "cp-step: needs NPROC between 4 and the $ngpu GPUs found, got $nproc (skipped)"
   else
     for tpg in ${TOKENS_PER_GPU:-16384}; do
-      step "bench_step_cp${nproc}_${tpg}.log" 16 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
-        --nproc-per-node "$nproc" tools/bench_dist.py --step --degree 0 --tokens-per-gpu "$tpg" \
+      on_gpus "$nproc" "bench_step_cp${nproc}_${tpg}.log" 560 --step --degree 0 --tokens-per-gpu "$tpg" \
         --masks "${MASKS:-varlen_causal,varlen_full}" --alternate "${ALTERNATE:-2}"
     done
   fi

@@ -253,9 +253,8 @@ def run(args: argparse.Namespace, bargs: argparse.Namespace, group=None) -> str:
     float32); returns the tables (printed by rank 0)."""
     group = group or dist.group.WORLD
     device, dtype, cases, head = bench_dist.run_setup(bargs, group)
-    det = ", deterministic backward" if bargs.deterministic else ""
     parts = [
-        f"{head}{det}, {bargs.iters} steps per timing; settings: "
+        f"{head}, {bargs.iters} steps per timing; settings: "
         + "; ".join(f"{st.name} {st.env or '{}'}" for st in args.settings)
     ]
     for case in cases:
@@ -269,12 +268,8 @@ def run(args: argparse.Namespace, bargs: argparse.Namespace, group=None) -> str:
 
 def main(argv=None) -> None:
     args, bargs = parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    bench_dist.init_nccl(bargs.comm_priority == "high")
-    try:
+    with bench_dist.nccl_ranks(bargs.comm_priority == "high"):
         run(args, bargs)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

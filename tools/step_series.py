@@ -20,7 +20,6 @@ power row is left out.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 # tools/bench_dist.py: a script's own folder is first on sys.path (python and torchrun alike)
@@ -75,9 +74,7 @@ def main(argv=None) -> None:
     bargs = bench_dist.parse_args(
         ["--step", "--degree", "0", "--masks", args.mask, "--totals", str(args.total)]
     )
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    bench_dist.init_nccl(bargs.comm_priority == "high")
-    try:
+    with bench_dist.nccl_ranks(bargs.comm_priority == "high"):
         case = bench_dist.bench_cases(args.mask, [args.total])[0]
         setup = bench_dist._Setup(case, bargs, dist.group.WORLD, torch.device("cuda"), torch.bfloat16)
         step, _ = bench_dist.magi_step_fn(setup, bargs.hq, bargs.deterministic)
@@ -98,8 +95,6 @@ def main(argv=None) -> None:
                 print("  host ms ", " ".join(f"{x:.2f}" for x in host))
                 if nvml:
                     print("  MHz/W   ", " ".join(f"{c}/{p}" for c, p in nvml), flush=True)
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

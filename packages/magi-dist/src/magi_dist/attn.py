@@ -398,8 +398,8 @@ def _backward_concat(
     of it reaches a row the reduce reads).
 
     What reads no remote row (dq's, the buffer's and the owners' sums' zeros, the kernel's
-    preprocess) is enqueued while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 -> 0.78 ms from the forward's
-    end to the backward kernel; docs/perf.md)."""
+    preprocess) is enqueued while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 ->
+    0.78 ms from the forward's end to the backward kernel; docs/perf.md)."""
     dout, q, out, lse, scale, softcap, det = common
     tk, hk, d = k.shape
     st = rt.remote_tensors(q.device)[0]
