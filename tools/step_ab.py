@@ -49,6 +49,7 @@ from magi_dist.partials import ENV_SYMMETRIC_MB, free_partials, symmetric_budget
 # the switches magi_dist reads at each call, with a reader that raises on a bad value
 PER_CALL_VARIABLES = {
     md_attn.ENV_BWD_SPLIT: lambda: md_attn.bwd_split(2),
+    md_attn.ENV_BWD_SPLIT_HEADS: md_attn.bwd_split_heads,
     md_attn.ENV_FWD_SPLIT: md_attn.fwd_split,
     md_attn.ENV_KEEP_KV: md_attn.keep_kv,
     md_attn.ENV_BWD_LOW_PRECISION_REDUCE: lambda: md_attn.bwd_reduce_dtype(torch.float32, torch.bfloat16),

@@ -951,3 +951,37 @@ def test_tail_head_group(lengths, hq, heads_per_unit, group, doubled):
     )
     assert (ratio > _TAIL_RATIO) == (doubled != group) or group >= hq or hq % (2 * group), ratio
     assert tail_head_group(group, heads_per_unit, hq, plan, 132) == doubled
+
+
+@pytest.mark.parametrize("hq, hk", [(32, 8), (16, 16)])
+def test_backward_heads_per_cta_is_what_the_stage_launches(monkeypatch, hq, hk):
+    """`cute_backward_heads_per_cta` answers the heads per CTA `cute_backward_stage` launches with
+    for the same call (no GPU: the SM count is stubbed and the launch recorded, not run), more for a
+    larger call; a stage given ``heads_per_cta`` launches with it; what the kernel does not serve
+    says so."""
+    from ffa_kernels.cute import bwd_interface
+
+    monkeypatch.setattr(bwd_interface, "_num_sms", lambda index: 132)
+    launched = []
+    monkeypatch.setattr(bwd_interface, "_launch", lambda *a: launched.append(a[13]))
+    t = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    answers = []
+    for n in (2048, 65536):  # documents of 2048 tokens, causal: short walks, many tiles at 64k
+        q = torch.zeros(n, hq, 128, dtype=torch.bfloat16)
+        k = torch.zeros(n, hk, 128, dtype=torch.bfloat16)
+        docs = [[s, s + 2048] for s in range(0, n, 2048)]
+        ranges = (t(docs), t(docs), t([1] * len(docs)))
+        h = bwd_interface.cute_backward_heads_per_cta(q, k, k, *ranges, 0.0, False)
+        grads = (torch.zeros(n, hq, 128), torch.zeros(n, hk, 128), torch.zeros(n, hk, 128))
+        lse = torch.zeros(n, hq)
+        for given in (None, hq // hk):
+            bwd_interface.cute_backward_stage(
+                q, k, k, q, q, lse, *ranges, *grads, softmax_scale=None, softcap=0.0, heads_per_cta=given
+            )
+        assert launched[-2:] == [h, hq // hk], (launched, h)
+        answers.append(h)
+    assert answers[0] <= answers[1] and (hq == hk or answers[1] > 1), answers
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        x = torch.zeros(8, hq, 96, dtype=torch.bfloat16)
+        y = torch.zeros(8, hk, 96, dtype=torch.bfloat16)
+        bwd_interface.cute_backward_heads_per_cta(x, y, y, t([[0, 8]]), t([[0, 8]]), t([0]), 0.0, False)

@@ -390,3 +390,31 @@ def test_backward_prepare_checks_its_arguments_and_changes_no_result(monkeypatch
         grads.append(acc)
     assert grads[0][0].abs().max() > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_backward_stage_heads_per_cta_is_checked_and_changes_no_sum():
+    """``heads_per_cta`` (the CuTe kernel's launch shape) is checked before anything runs (a
+    divisor of Hq / Hk, an int); the reference backend's sums are the same whatever it is;
+    `backward_heads_per_cta` answers 1 where the reference backend serves the call."""
+    from ffa_kernels import backward_heads_per_cta
+
+    g = torch.Generator().manual_seed(3)
+    tq, tk, hq, hk, d = 40, 56, 4, 2, 8
+    q, dout = (torch.randn(tq, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(tk, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    qr, kr, tm = _int32([[0, 25], [25, 40]]), _int32([[0, 30], [10, 56]]), _int32([1, 0], (-1,))
+    out, lse, _ = ffa_forward(q, k, v, qr, kr, tm)
+    sums = []
+    for h in (None, 1, 2):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        ffa_backward_stage(dout, q, k, v, out, lse, qr, kr, tm, dq, dk, dv, heads_per_cta=h)
+        sums.append((dq, dk, dv))
+    for other in sums[1:]:
+        for a, b in zip(sums[0], other):
+            assert torch.equal(a, b)
+    zeros = [torch.zeros_like(x) for x in (q, k, v)]
+    for bad, err in ((3, ValueError), (0, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(err, match="heads_per_cta"):
+            ffa_backward_stage(dout, q, k, v, out, lse, qr, kr, tm, *zeros, heads_per_cta=bad)
+    assert all(not z.any() for z in zeros)  # nothing ran
+    assert backward_heads_per_cta(q, k, v, qr, kr, tm) == 1

@@ -4,7 +4,8 @@ backward on any rank (also on a rank that has no work and kept nothing), a bad v
 MAGI_DIST_BWD_SPLIT=1 (remote keys first, their reduce started, then the local keys): the
 single-process result, with and without kept K/V, and two kernel calls where both parts exist,
 the remote keys' (over the whole [local; remote] buffer) before the local keys' (the local rows
-alone). MAGI_DIST_FWD_SPLIT=1 (the local keys' forward call while the remote K/V rows travel,
+alone), with MAGI_DIST_BWD_SPLIT_HEADS the q heads per CTA both calls are asked for.
+MAGI_DIST_FWD_SPLIT=1 (the local keys' forward call while the remote K/V rows travel,
 then the remote keys'): the single-process result, and the calls in that order around the
 cast's wait. MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1: the partials summed in the inputs' dtype; the
 degree-0 backward in one call adds the owners' sums into its own buffer's local rows. That the
@@ -172,6 +173,76 @@ def test_split_backward_matches_single_process():
         assert all(rows[:3] == [c[0], -1, c[1]] for rows, c in zip(ranks, calls) if len(c) == 2), (i, seen)
 
 
+def split_heads(rank: int, world: int, cases: list[Case]) -> list[list[tuple]]:
+    """Each case split by keys under each MAGI_DIST_BWD_SPLIT_HEADS of `HEADS_RUNS` (checked
+    against one process by `run_case`), with `ffa_kernels.backward_heads_per_cta` answering
+    `STAGE_MARK`; per run, in call order: ("rule", K rows, slices) for each question to it and
+    ("call", K rows, slices, heads_per_cta) for each backward kernel call."""
+    calls: list[tuple] = []
+
+    def record_call(real):
+        def wrapped(dout, q, k, v, out, lse, q_ranges, *args, **kwargs):
+            calls.append(("call", k.shape[0], q_ranges.shape[0], kwargs.get("heads_per_cta")))
+            return real(dout, q, k, v, out, lse, q_ranges, *args, **kwargs)
+
+        return wrapped
+
+    def record_rule(real):
+        def wrapped(q, k, v, q_ranges, *args, **kwargs):
+            calls.append(("rule", k.shape[0], q_ranges.shape[0]))
+            return STAGE_MARK
+
+        return wrapped
+
+    settings = [{"MAGI_DIST_BWD_SPLIT": "1", "MAGI_DIST_BWD_SPLIT_HEADS": h} for h in HEADS_RUNS]
+    wrappers = {"ffa_backward_stage": record_call, "backward_heads_per_cta": record_rule}
+    return _recorded_runs(cases, settings, calls, wrappers)
+
+
+HEADS_RUNS = ("auto", "stage", "2")
+STAGE_MARK = 1  # what the stubbed rule answers for the whole stage (it divides every case's group)
+
+
+def test_split_backward_heads_per_cta():
+    """auto: each call by the kernel's rule (None passed, the rule not asked); stage: the rule
+    asked once, over the whole stage (the remote keys' call's K rows, both calls' slices), and its
+    answer passed to both calls; a number: that one to both; the single-process result under each
+    (GQA 4:2 and 8:2, so 2 divides the group)."""
+    cu = [0, 37, 121, 190]
+    cases = [
+        Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=16),
+        Case.from_mask("varlen-full", masks.varlen(cu), degree=0, seed=17, hq=8, hk=2),
+    ]
+    seen = run_ranks(2, split_heads, cases, timeout=240)
+    want = {"auto": None, "stage": STAGE_MARK, "2": 2}
+    both = 0
+    for per_rank in seen:
+        for i, run in enumerate(per_rank):
+            setting = HEADS_RUNS[i % len(HEADS_RUNS)]
+            kernel = [c for c in run if c[0] == "call"]
+            rule = [c for c in run if c[0] == "rule"]
+            assert all(c[3] == want[setting] for c in kernel), (setting, run)
+            if len(kernel) == 2:  # both parts: the remote keys' call over [local; remote] first
+                both += 1
+                whole = (kernel[0][1], kernel[0][2] + kernel[1][2])
+                assert [r[1:] for r in rule] == ([whole] if setting == "stage" else []), (setting, run)
+    # every run had a rank with both parts (else the parts were not both asked)
+    assert both >= len(seen[0]), seen
+
+
+def heads_not_dividing(rank: int, world: int) -> None:
+    os.environ.update({"MAGI_DIST_BWD_SPLIT": "1", "MAGI_DIST_BWD_SPLIT_HEADS": "3"})
+    run_case(Case.from_mask("varlen-causal", masks.varlen([0, 37, 121, 190], causal=True), degree=0, seed=18))
+
+
+def test_split_heads_not_dividing_the_group_raises_on_every_rank():
+    outcomes = run_ranks(2, heads_not_dividing, timeout=120, outcomes=True)
+    for kind, detail in outcomes:
+        assert kind == "error" and "MAGI_DIST_BWD_SPLIT_HEADS: must divide Hq / Hk = 2, got 3" in detail, (
+            outcomes
+        )
+
+
 def split_forward(rank: int, world: int, cases: list[Case]) -> list[list[int]]:
     """Each case with MAGI_DIST_FWD_SPLIT=1, with MAGI_DIST_KEEP_KV and MAGI_DIST_BWD_SPLIT off
     and on together (checked against one process by `run_case`, max_logits included); per run,
@@ -231,6 +302,8 @@ def test_split_forward_matches_single_process():
     [
         ("MAGI_DIST_KEEP_KV", "keep_kv", (), "yes"),
         ("MAGI_DIST_BWD_SPLIT", "bwd_split", (4,), "on"),
+        ("MAGI_DIST_BWD_SPLIT_HEADS", "bwd_split_heads", (), "0"),
+        ("MAGI_DIST_BWD_SPLIT_HEADS", "bwd_split_heads", (), "half"),
         ("MAGI_DIST_FWD_SPLIT", "fwd_split", (), "true"),
         ("MAGI_DIST_BWD_LOW_PRECISION_REDUCE", "bwd_reduce_dtype", (torch.float32, torch.bfloat16), "bf16"),
     ],

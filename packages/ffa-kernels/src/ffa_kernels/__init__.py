@@ -10,7 +10,9 @@ Public API (the contract is docs/api.md):
   once, passed as ``mask=`` (no host copy or sync per call).
 - per-stage API for combining several calls over different key sets exactly (magi-dist):
   `ffa_forward_stage` (with `forward_accumulators`, `accumulator_dtype`), `ffa_backward_stage`
-  (with `ffa_backward_prepare`: its shared preprocess, enqueued ahead of the K/V rows),
+  (with `ffa_backward_prepare`: its shared preprocess, enqueued ahead of the K/V rows, and
+  `backward_heads_per_cta`: the launch shape a call would take, for a caller that splits one key
+  set into calls),
   `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
 - mask type codes `MaskType` / `FULL`, `CAUSAL`, `INVCAUSAL`, `BICAUSAL`, and `mask_type_code`.
 - `validate_attn_inputs`: `flex_flash_attn_func`'s checks of every argument but the ranges, for
@@ -29,6 +31,7 @@ from . import _ops  # noqa: F401  (registers the torch.library operators)
 from ._backend import BackendFallbackWarning
 from ._flex_mask import FlexMask
 from ._frontend import (
+    backward_heads_per_cta,
     ffa_backward_prepare,
     ffa_backward_stage,
     ffa_forward,
@@ -57,6 +60,7 @@ __all__ = [
     "__version__",
     "accumulator_dtype",
     "apply_sink",
+    "backward_heads_per_cta",
     "ffa_backward_prepare",
     "ffa_backward_stage",
     "ffa_forward",

@@ -35,6 +35,7 @@ from ._validate import (
     check_attn_metadata,
     check_bool,
     check_float_tensor,
+    check_heads_per_cta,
     check_sink,
     check_token_tensor,
     validate_attn_args,
@@ -43,6 +44,7 @@ from .reference.backward import reference_backward_stage
 from .reference.forward import reference_forward_stage
 
 __all__ = [
+    "backward_heads_per_cta",
     "ffa_backward_prepare",
     "ffa_backward_stage",
     "ffa_forward",
@@ -208,6 +210,7 @@ def _backward_stage(
     dk_acc: torch.Tensor,
     dv_acc: torch.Tensor,
     deterministic: bool = False,
+    heads_per_cta: int | None = None,
 ) -> None:
     cute = _backward_kernel(args.q.device, args.q.dtype)
     if cute is not None:
@@ -227,6 +230,7 @@ def _backward_stage(
                 dv_acc,
                 softmax_scale=args.softmax_scale,
                 softcap=args.softcap,
+                heads_per_cta=heads_per_cta,
                 deterministic=deterministic,
             )
             return
@@ -372,6 +376,7 @@ def ffa_backward_stage(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     deterministic: bool = False,
+    heads_per_cta: int | None = None,
 ) -> None:
     """Add one stage's contribution to dq, dk, dv, in place.
 
@@ -386,6 +391,10 @@ def ffa_backward_stage(
             added to.
         deterministic: bitwise the same additions run after run (as for
             `flex_flash_attn_func`).
+        heads_per_cta: q heads one CTA of the CuTe kernel walks, a divisor of Hq / Hk (None: the
+            kernel's rule for this call, `backward_heads_per_cta`); the reference backend
+            computes the same sums whatever it is. For callers that split one key set into calls
+            and want the launch shape of the whole (magi-dist's split backward).
 
     Because out and lse are the global ones, summing this over all stages gives exactly the
     gradient of the whole attention (the sink's own gradient is `sink_backward`).
@@ -402,7 +411,47 @@ def ffa_backward_stage(
     check_accumulator("dk_acc", dk_acc, (tk, hk, d), dev)
     check_accumulator("dv_acc", dv_acc, (tk, hk, dv), dev)
     check_bool("deterministic", deterministic)
-    _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc, deterministic)
+    heads_per_cta = check_heads_per_cta(heads_per_cta, hq, hk)
+    _backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc, deterministic, heads_per_cta)
+
+
+def backward_heads_per_cta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_ranges: torch.Tensor,
+    k_ranges: torch.Tensor,
+    attn_type_map: torch.Tensor | None,
+    *,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    deterministic: bool = False,
+) -> int:
+    """The q heads per CTA that `ffa_backward_stage` of these arguments launches with by the
+    kernel's rule: a divisor of Hq / Hk, 1 where the reference backend would serve the call.
+
+    Args: q ``(Tq, Hq, D)``, k ``(Tk, Hk, D)``, v ``(Tk, Hk, Dv)`` (only their shapes, dtypes and
+    device are read), q_ranges / k_ranges int32 ``(N, 2)``, attn_type_map int32 ``(N,)`` or None,
+    softmax_scale, softcap, deterministic: as for `ffa_backward_stage`. Plans the call (cached,
+    as the call itself would) and launches nothing."""
+    args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
+    check_bool("deterministic", deterministic)
+    cute = _backward_kernel(args.q.device, args.q.dtype)
+    if cute is None:
+        return 1
+    try:
+        return cute.cute_backward_heads_per_cta(
+            args.q,
+            args.k,
+            args.v,
+            args.q_ranges,
+            args.k_ranges,
+            args.attn_type_map,
+            args.softcap,
+            deterministic,
+        )
+    except NotImplementedError:
+        return 1
 
 
 def ffa_backward_prepare(

@@ -554,6 +554,19 @@ def check_accumulator(
     return check_float_tensor(name, t, shape, device, dtypes)
 
 
+def check_heads_per_cta(x: object, hq: int, hk: int) -> int | None:
+    """``heads_per_cta`` of a backward call: None (the kernel's rule) or a positive int dividing
+    ``hq // hk``, the q heads of one K/V head."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"heads_per_cta must be an int or None, got {type(x).__name__} {x!r}")
+    group = hq // hk
+    if x < 1 or group % x:
+        raise ValueError(f"heads_per_cta must divide Hq / Hk = {group}, got {x}")
+    return x
+
+
 def check_bool(name: str, x: object) -> bool:
     """A flag argument: a real ``bool`` (not 0/1, not a string)."""
     if not isinstance(x, bool):

@@ -10,8 +10,8 @@ same on every rank) the degree-0 forward keeps its ``[local; remote]`` K/V rows 
 which then casts nothing: one collective less per step, for the memory of those rows. With
 ``MAGI_DIST_BWD_SPLIT=1`` (the default from cp 4 on) the degree-0 backward computes the remote
 keys' part first, starts their dK/dV reduce, and computes the local keys' part while it travels
-(two kernel calls instead of one; the same collectives). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does
-the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
+(two kernel calls instead of one; the same collectives; ``MAGI_DIST_BWD_SPLIT_HEADS``: their
+q heads per CTA). ``MAGI_DIST_FWD_SPLIT=1`` (opt-in) does the same to the degree-0 forward: the local keys' kernel while the remote K/V rows travel.
 ``MAGI_DIST_BWD_LOW_PRECISION_REDUCE=1`` (opt-in, the same on every rank) reduces the partial
 dK/dV in the inputs' dtype instead of float32, as MagiAttention does by default: half the bytes,
 each partial and the owner's sum of them per stage rounded to that dtype.
@@ -32,6 +32,7 @@ from ffa_kernels import (
     AttnForwardMeta,
     accumulator_dtype,
     apply_sink,
+    backward_heads_per_cta,
     ffa_backward_prepare,
     ffa_backward_stage,
     ffa_forward,
@@ -51,6 +52,7 @@ ENV_DSINK_REDUCE = "MAGI_DIST_DSINK_REDUCE"
 _DSINK_OPS = ("none", "sum", "avg")
 ENV_KEEP_KV = "MAGI_DIST_KEEP_KV"
 ENV_BWD_SPLIT = "MAGI_DIST_BWD_SPLIT"
+ENV_BWD_SPLIT_HEADS = "MAGI_DIST_BWD_SPLIT_HEADS"
 ENV_FWD_SPLIT = "MAGI_DIST_FWD_SPLIT"
 ENV_BWD_LOW_PRECISION_REDUCE = "MAGI_DIST_BWD_LOW_PRECISION_REDUCE"
 
@@ -86,6 +88,21 @@ def bwd_split(cp_size: int) -> bool:
     reduce overlaps the local keys' kernel; unset: split from ``BWD_SPLIT_MIN_CP`` ranks on,
     where the reduce moves more of a step than at cp 2."""
     return _flag(ENV_BWD_SPLIT, default=cp_size >= BWD_SPLIT_MIN_CP)
+
+
+def bwd_split_heads() -> str | int:
+    """``$MAGI_DIST_BWD_SPLIT_HEADS`` (read and checked at each backward, used where it is split):
+    the q heads per CTA of the split backward's two kernel calls. ``auto`` (or unset): each
+    call's own by the kernel's rule, which gives the smaller calls fewer than the whole stage
+    (docs/perf.md, "The split backward's cost");
+    ``stage``: both calls the whole stage's (`ffa_kernels.backward_heads_per_cta`); a positive
+    integer: that many (it must divide Hq / Hk)."""
+    raw = os.environ.get(ENV_BWD_SPLIT_HEADS, "").strip().lower() or "auto"
+    if raw in ("auto", "stage"):
+        return raw
+    if raw.isascii() and raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    raise ValueError(f"{ENV_BWD_SPLIT_HEADS}: expected auto, stage or a positive integer, got {raw!r}")
 
 
 def fwd_split() -> bool:
@@ -231,7 +248,9 @@ def _fwd_stage(q, k, v, st: StageTensors, out, lse, ml, scale, softcap) -> None:
     )
 
 
-def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap, det=False) -> None:
+def _bwd_stage(
+    dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, softcap, det=False, heads_per_cta=None
+) -> None:
     if st.empty:
         return
     assert st.q_ranges is not None and st.k_ranges is not None  # a non-empty stage has its ranges
@@ -251,6 +270,7 @@ def _bwd_stage(dout, q, k, v, out, lse, st: StageTensors, dq, dk, dv, scale, sof
         softmax_scale=scale,
         softcap=softcap,
         deterministic=det,
+        heads_per_cta=heads_per_cta,
     )
 
 
@@ -335,6 +355,13 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     sums with their owners' are written in it directly, one rounding of the same float32 sums,
     no float32 total and cast after it."""
     split = bwd_split(rt.plan.cp_size)  # read (and a bad value raised) before any collective
+    # read and checked on every rank whatever its split (ranks may differ there): a bad value
+    # raises everywhere before the first collective
+    heads = bwd_split_heads()
+    if isinstance(heads, int) and (q.shape[1] // k.shape[1]) % heads:
+        raise ValueError(
+            f"{ENV_BWD_SPLIT_HEADS}: must divide Hq / Hk = {q.shape[1] // k.shape[1]}, got {heads}"
+        )
     tk, hk, d = k.shape
     dev = q.device
     f32 = accumulator_dtype(q.dtype)
@@ -352,7 +379,9 @@ def _backward(rt: DistAttnRuntime, dout, q, k, v, out, lse, scale, softcap, det,
     parts = Partials.take(rt, (width,), f32, dev, reduce_dtype=red_dtype)
     dkv_remote: torch.Tensor | None  # owners' sums of the remote [dK, dV] rows, where kept apart
     if rt.me.calc.kv_concat:
-        dq, dkv, reduces, dkv_remote = _backward_concat(rt, parts, k, v, common, red_dtype, kept, split)
+        dq, dkv, reduces, dkv_remote = _backward_concat(
+            rt, parts, k, v, common, red_dtype, kept, split, heads
+        )
     else:
         dkv_remote = torch.zeros((tk, width), dtype=red_dtype, device=dev)
         dq, dk, dv, reduces = _backward_staged(rt, parts, k, v, dkv_remote, common)
@@ -385,6 +414,7 @@ def _backward_concat(
     red_dtype: torch.dtype,
     kept=None,
     split: bool = False,
+    heads: str | int = "auto",
 ):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
     tail is reduced to its owners. Returns ``(dq, dkv, works, dkv_remote)``: dq in the
@@ -395,7 +425,7 @@ def _backward_concat(
     ``red_dtype`` (`bwd_reduce_dtype`). ``kept``: as for `_backward` (the K/V rows are not cast
     again). ``split`` (`bwd_split`): two calls, the remote keys' first, then, while their rows'
     reduce travels, the local keys' on the local rows alone (views ``[:tk]``, so that no key tile
-    of it reaches a row the reduce reads).
+    of it reaches a row the reduce reads); ``heads`` (`bwd_split_heads`): their q heads per CTA.
 
     What reads no remote row (dq's, the buffer's and the owners' sums' zeros, the kernel's
     preprocess) is enqueued while the rows travel (cp 2 varlen causal 64k on 2x H100: 1.06 ->
@@ -422,17 +452,36 @@ def _backward_concat(
         if last is None and red_dtype == dkv.dtype
         else dkv.new_zeros((tk, dkv.shape[1]), dtype=red_dtype)
     )
+    kvk, kvv = _split(kv, hk, d)
+    # host work only (shapes and ranges), done while the rows travel
+    hpc = _split_heads_per_cta(heads, q, kvk, kvv, st, softcap, det) if last is not None else None
     if not st.empty:
         ffa_backward_prepare(dout, q, v, out, lse, softmax_scale=scale, softcap=softcap)
     if cast is not None:
         cast.wait()
-    _bwd_stage(dout, q, *_split(kv, hk, d), out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det)
+    _bwd_stage(dout, q, kvk, kvv, out, lse, first, dq, *_split(dkv, hk, d), scale, softcap, det, hpc)
     work = _start_reduce(rt, dkv[tk:], dkv[:tk] if dkv_remote is None else dkv_remote, 0)
     if last is not None:
         local_k, local_v = _split(kv[:tk], hk, d)
         local_dk, local_dv = _split(dkv[:tk], hk, d)
-        _bwd_stage(dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det)
+        _bwd_stage(
+            dout, q, local_k, local_v, out, lse, last, dq, local_dk, local_dv, scale, softcap, det, hpc
+        )
     return dq, dkv, [work], dkv_remote
+
+
+def _split_heads_per_cta(heads: str | int, q, k, v, st: StageTensors, softcap, det) -> int | None:
+    """The q heads per CTA of the split backward's two calls (`bwd_split_heads`): None (each
+    call's own by the kernel's rule), the whole stage's (``k``, ``v``: its ``[local; remote]``
+    rows), or the number set."""
+    if heads == "auto" or st.empty:
+        return None
+    if heads == "stage":
+        assert st.q_ranges is not None and st.k_ranges is not None  # a non-empty stage has its ranges
+        return backward_heads_per_cta(
+            q, k, v, st.q_ranges, st.k_ranges, st.attn_types, softcap=softcap, deterministic=det
+        )
+    return int(heads)
 
 
 def _backward_staged(rt: DistAttnRuntime, parts: Partials, k, v, dkv_remote, common):

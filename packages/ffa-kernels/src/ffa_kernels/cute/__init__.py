@@ -21,7 +21,12 @@ from .interface import accumulators_fit
 HAVE_CUTLASS = importlib.util.find_spec("cutlass") is not None
 
 if HAVE_CUTLASS:
-    from .bwd_interface import cute_backward, cute_backward_prepare, cute_backward_stage
+    from .bwd_interface import (
+        cute_backward,
+        cute_backward_heads_per_cta,
+        cute_backward_prepare,
+        cute_backward_stage,
+    )
     from .interface import cute_forward, cute_forward_accumulate
 
     __all__ = [
@@ -29,6 +34,7 @@ if HAVE_CUTLASS:
         "FwdConfig",
         "accumulators_fit",
         "cute_backward",
+        "cute_backward_heads_per_cta",
         "cute_backward_prepare",
         "cute_backward_stage",
         "cute_forward",

@@ -10,6 +10,7 @@ import torch
 
 from .._identity_cache import IdentityCache, cacheable
 from .._types import as_dtype
+from .._validate import check_heads_per_cta
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import (
     BWD_MAX_TILE_M,
@@ -131,10 +132,9 @@ def bwd_heads_per_cta(
     fastest with 2 heads per CTA (459 TFLOP/s against 418 with all 8 and 437 with 1), and causal
     masks of long documents lose up to 40% with long CTAs (see ``MAX_CTA_WALK_ROWS``)."""
     group = hq // hk
-    if override is not None:
-        if override < 1 or group % override:
-            raise ValueError(f"heads_per_cta must divide Hq / Hk = {group}, got {override}")
-        return override
+    checked = check_heads_per_cta(override, hq, hk)
+    if checked is not None:
+        return checked
     for d in sorted((d for d in range(1, group + 1) if group % d == 0), reverse=True):
         if num_work * hk * (group // d) >= _CTAS_PER_SM * num_sms and d * walk_rows <= MAX_CTA_WALK_ROWS:
             return d
@@ -388,6 +388,18 @@ def _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, config, softcap, he
         plan.walk_blocks * cfg.tile_m,
     )
     return plan, split, cfg
+
+
+def cute_backward_heads_per_cta(
+    q, k, v, q_ranges, k_ranges, attn_type_map, softcap: float, deterministic: bool
+) -> int:
+    """The q heads per CTA `cute_backward_stage` takes for these arguments by its rule
+    (`bwd_heads_per_cta` over the call's plan, the default config). Shapes as for
+    `cute_backward_stage`; raises NotImplementedError where the kernel does not serve the call."""
+    _, softcap = kernel_scales(q, v, None, softcap, "backward")
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return 1
+    return _plan_and_split(q, k, q_ranges, k_ranges, attn_type_map, None, softcap, None, deterministic)[1]
 
 
 def cute_backward_prepare(
