@@ -199,13 +199,13 @@ def split_heads(rank: int, world: int, cases: list[Case]) -> list[list[tuple]]:
     return _recorded_runs(cases, settings, calls, wrappers)
 
 
-HEADS_RUNS = ("auto", "stage", "2")
+HEADS_RUNS = ("auto", "stage", "2", "")  # "": the switch empty, read as unset (the default)
 STAGE_MARK = 1  # what the stubbed rule answers for the whole stage (it divides every case's group)
 
 
 def test_split_backward_heads_per_cta():
-    """auto: each call by the kernel's rule (None passed, the rule not asked); stage: the rule
-    asked once, over the whole stage (the remote keys' call's K rows, both calls' slices), and its
+    """auto: each call by the kernel's rule (None passed, the rule not asked); stage (and the
+    switch unset, its default): the rule asked once, over the whole stage (the remote keys' call's K rows, both calls' slices), and its
     answer passed to both calls; a number: that one to both; the single-process result under each
     (GQA 4:2 and 8:2, so 2 divides the group)."""
     cu = [0, 37, 121, 190]
@@ -214,7 +214,7 @@ def test_split_backward_heads_per_cta():
         Case.from_mask("varlen-full", masks.varlen(cu), degree=0, seed=17, hq=8, hk=2),
     ]
     seen = run_ranks(2, split_heads, cases, timeout=240)
-    want = {"auto": None, "stage": STAGE_MARK, "2": 2}
+    want = {"auto": None, "stage": STAGE_MARK, "2": 2, "": STAGE_MARK}
     both = 0
     for per_rank in seen:
         for i, run in enumerate(per_rank):
@@ -225,7 +225,8 @@ def test_split_backward_heads_per_cta():
             if len(kernel) == 2:  # both parts: the remote keys' call over [local; remote] first
                 both += 1
                 whole = (kernel[0][1], kernel[0][2] + kernel[1][2])
-                assert [r[1:] for r in rule] == ([whole] if setting == "stage" else []), (setting, run)
+                asked = [whole] if want[setting] == STAGE_MARK else []
+                assert [r[1:] for r in rule] == asked, (setting, run)
     # every run had a rank with both parts (else the parts were not both asked)
     assert both >= len(seen[0]), seen
 
@@ -314,6 +315,17 @@ def test_a_bad_switch_value_is_named(monkeypatch, name, read, args, bad):
     monkeypatch.setenv(name, bad)
     with pytest.raises(ValueError, match=name):
         getattr(attn, read)(*args)
+
+
+@pytest.mark.parametrize("value, heads", [(None, "stage"), ("", "stage"), (" Auto ", "auto"), ("4", 4)])
+def test_the_split_backward_takes_the_stages_heads_per_cta_unless_told(monkeypatch, value, heads):
+    import magi_dist.attn as attn
+
+    if value is None:
+        monkeypatch.delenv("MAGI_DIST_BWD_SPLIT_HEADS", raising=False)
+    else:
+        monkeypatch.setenv("MAGI_DIST_BWD_SPLIT_HEADS", value)
+    assert attn.bwd_split_heads() == heads
 
 
 @pytest.mark.parametrize(

@@ -92,12 +92,13 @@ def bwd_split(cp_size: int) -> bool:
 
 def bwd_split_heads() -> str | int:
     """``$MAGI_DIST_BWD_SPLIT_HEADS`` (read and checked at each backward, used where it is split):
-    the q heads per CTA of the split backward's two kernel calls. ``auto`` (or unset): each
-    call's own by the kernel's rule, which gives the smaller calls fewer than the whole stage
-    (docs/perf.md, "The split backward's cost");
-    ``stage``: both calls the whole stage's (`ffa_kernels.backward_heads_per_cta`); a positive
-    integer: that many (it must divide Hq / Hk)."""
-    raw = os.environ.get(ENV_BWD_SPLIT_HEADS, "").strip().lower() or "auto"
+    the q heads per CTA of the split backward's two kernel calls. ``stage`` (or unset): both
+    calls the whole stage's (`ffa_kernels.backward_heads_per_cta`; at cp 4 the step 1.6-3.6%
+    faster on varlen causal than ``auto``, docs/perf.md "The split backward's calls at the
+    stage's heads per CTA"); ``auto``: each call's own by the kernel's rule, which gives the
+    smaller calls fewer than the whole stage; a positive integer: that many (it must divide
+    Hq / Hk)."""
+    raw = os.environ.get(ENV_BWD_SPLIT_HEADS, "").strip().lower() or "stage"
     if raw in ("auto", "stage"):
         return raw
     if raw.isascii() and raw.isdigit() and int(raw) > 0:
@@ -414,7 +415,7 @@ def _backward_concat(
     red_dtype: torch.dtype,
     kept=None,
     split: bool = False,
-    heads: str | int = "auto",
+    heads: str | int = "stage",
 ):
     """Degree 0: one call over ``[local; remote]`` K/V into one ``[dK, dV]`` buffer whose remote
     tail is reduced to its owners. Returns ``(dq, dkv, works, dkv_remote)``: dq in the
