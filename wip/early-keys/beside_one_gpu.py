@@ -5,38 +5,17 @@ copy-engine P2P copy to GPU 1 (cudaMemcpyPeerAsync), against the kernel alone.""
 import statistics
 
 import torch
+from beside_common import one_call_backward
 
-from ffa_kernels import ffa_backward_stage, ffa_forward
-
-torch.manual_seed(0)
 d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
 torch.cuda.set_device(d0)
-Tq, Tk, Hq, Hk, D, doc = 32768, 65536, 32, 8, 128, 2048
-qr, kr, ty = [], [], []
-for i in range(Tq // doc):
-    qr += [[i * doc, (i + 1) * doc]] * 2
-    kr += [[i * doc, (i + 1) * doc], [Tq + i * doc, Tq + (i + 1) * doc]]
-    ty += [1, 0]
-qr, kr, ty = (torch.tensor(x, dtype=torch.int32, device=d0) for x in (qr, kr, ty))
-bf = torch.bfloat16
-q = torch.randn(Tq, Hq, D, device=d0, dtype=bf)
-k = torch.randn(Tk, Hk, D, device=d0, dtype=bf)
-v = torch.randn(Tk, Hk, D, device=d0, dtype=bf)
-dout = torch.randn(Tq, Hq, D, device=d0, dtype=bf)
-out, lse, _ = ffa_forward(q, k, v, qr, kr, ty)
-dq = torch.zeros(Tq, Hq, D, device=d0)
-dk = torch.zeros(Tk, Hk, D, device=d0)
-dv = torch.zeros(Tk, Hk, D, device=d0)
+bwd = one_call_backward(d0)
 MB = 256
 src = torch.randn(MB * 2**18, device=d0)
 dst0 = torch.empty_like(src)
 dst1 = torch.empty(src.shape, device=d1)
 side = torch.cuda.Stream(d0, priority=-1)
 main = torch.cuda.current_stream(d0)
-
-
-def bwd():
-    ffa_backward_stage(dout, q, k, v, out, lse, qr, kr, ty, dq, dk, dv)
 
 
 sides = {

@@ -7,8 +7,8 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from beside_common import HK, D, one_call_backward
 
-from ffa_kernels import ffa_backward_stage, ffa_forward
 from magi_comm import group_reduce
 
 rank = int(os.environ["RANK"])
@@ -17,32 +17,12 @@ torch.cuda.set_device(dev)
 dist.init_process_group("nccl", device_id=dev)
 g = dist.group.WORLD
 other = 1 - rank
-torch.manual_seed(rank)
-Tq, Tk, Hq, Hk, D, doc = 32768, 65536, 32, 8, 128, 2048
-qr, kr, ty = [], [], []
-for i in range(Tq // doc):
-    qr += [[i * doc, (i + 1) * doc]] * 2
-    kr += [[i * doc, (i + 1) * doc], [Tq + i * doc, Tq + (i + 1) * doc]]
-    ty += [1, 0]
-qr, kr, ty = (torch.tensor(x, dtype=torch.int32, device=dev) for x in (qr, kr, ty))
-bf = torch.bfloat16
-q = torch.randn(Tq, Hq, D, device=dev, dtype=bf)
-k = torch.randn(Tk, Hk, D, device=dev, dtype=bf)
-v = torch.randn(Tk, Hk, D, device=dev, dtype=bf)
-dout = torch.randn(Tq, Hq, D, device=dev, dtype=bf)
-out, lse, _ = ffa_forward(q, k, v, qr, kr, ty)
-dq = torch.zeros(Tq, Hq, D, device=dev)
-dk = torch.zeros(Tk, Hk, D, device=dev)
-dv = torch.zeros(Tk, Hk, D, device=dev)
-N, W = 32768, 2 * Hk * D
+bwd = one_call_backward(dev, seed=rank)
+N, W = 32768, 2 * HK * D
 part = torch.randn(N, W, device=dev)
 red = torch.zeros(N, W, device=dev)
 side = torch.cuda.Stream(dev, priority=-1)
 main = torch.cuda.current_stream(dev)
-
-
-def bwd():
-    ffa_backward_stage(dout, q, k, v, out, lse, qr, kr, ty, dq, dk, dv)
 
 
 def reduce():
