@@ -69,6 +69,7 @@ class FakeWorld:
         self.overlapped = 0  # receive steps launched beside the send kernel
         self.overlapped_reduces = 0  # of which fused reductions
         self.puts = 0
+        self.memcpys = 0  # copies by the (fake) copy engines
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
         self.pulled_rows = 0  # reduction terms read from a source's input (pull)
@@ -344,6 +345,12 @@ class FakePlatform:
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream) -> None:
+        """The copy engines' copy, done at once (every stream is synchronous here)."""
+        ctypes.memmove(dst, src, nbytes)
+        with self.world.cond:
+            self.world.memcpys += 1
 
     def nvshmem(self, heap_bytes: int):
         return self.world.nvshmem_core, self.world.nvshmem_bindings, _Device

@@ -38,6 +38,7 @@ ENV_OVERLAP_CHUNK_KB = "MAGI_COMM_NATIVE_OVERLAP_CHUNK_KB"
 ENV_WAIT_TIMEOUT = "MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"
 ENV_REDUCE_ROWS = "MAGI_COMM_NATIVE_REDUCE_ROWS"
 ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
+ENV_COPY_ENGINE = "MAGI_COMM_NATIVE_COPY_ENGINE"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
@@ -109,6 +110,15 @@ class NativeConfig:
             flight; on 2x H100 none of 7 other shapes beat the defaults at 16 and 64 MiB
             (``tools/bench_comm.py --sweep-reduce``, docs/perf.md): a knob for other machines. A reduction beside the transfer keeps the
             defaults (its wait tables are cut by them).
+        copy_engine: a fused reduce's send moves its rows into the peers' regions by the copy
+            engines (one ``cudaMemcpyAsync`` per task and destination, then a launch without
+            rows that publishes the pull headers and signals) instead of by the copy kernel's
+            programs, so the SMs stay with a kernel running beside the transfer: beside a
+            backward kernel, a copy-engine copy of 256 MB cost it 0.2-0.4 ms where the fused
+            reduce's send and reduction cost it 0.7-1.2 ms (docs/perf.md, "The backward
+            beside its reduce"). Its inputs are never pulled, and it reports no progress (the
+            reduction follows the transfer). ``$MAGI_COMM_NATIVE_COPY_ENGINE=1``; off by
+            default.
     """
 
     buffer_bytes: int = 256 * MIB
@@ -125,6 +135,7 @@ class NativeConfig:
     overlap_reduce: bool = False
     reduce_tile_rows: int = 0
     reduce_warps: int = 0
+    copy_engine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("reduce_tile_rows", "reduce_warps"):
@@ -144,8 +155,12 @@ class NativeConfig:
         value raises ValueError naming its variable."""
         off = ("0", "false", "no", "off")
         kw: dict[str, Any] = {  # NativeConfig's keyword arguments (bools, then ints)
-            field: os.environ.get(env, "1").strip().lower() not in off
-            for field, env in (("fused_reduce", ENV_FUSED_REDUCE), ("device_handshake", ENV_DEVICE_HANDSHAKE))
+            field: os.environ.get(env, default).strip().lower() not in off
+            for field, env, default in (
+                ("fused_reduce", ENV_FUSED_REDUCE, "1"),
+                ("device_handshake", ENV_DEVICE_HANDSHAKE, "1"),
+                ("copy_engine", ENV_COPY_ENGINE, "0"),
+            )
         }
         scale = {"overlap_chunk_bytes": 1024}
         for field, env in _INT_ENVS.items():

@@ -14,12 +14,14 @@ from typing import NamedTuple
 import torch
 
 from .config import CONSUMER_PROGRAMS, ENV_BUFFER_MB, OVERLAP_MIN_CHUNKS, NativeConfig
+from .copy_engine import CopyEngineSend, copy_engine_copies
 from .group_state import GroupState, host_to_device
 from .layout import (
     SINK_NONE,
     SINK_SCATTER,
     BlockTable,
     Schedule,
+    TaskTable,
     build_schedule,
     bytes_needed,
     field_offsets,
@@ -115,7 +117,7 @@ class Launches:
         # one round of one field: the receive step may run beside the transfer (overlap)
         cap = self.config.max_programs
         overlap = len(sched.rounds) == 1 and len(rbs) == 1 and self.overlap_on(sink_kind)
-        overlap = overlap and 0 < cap <= MAX_REPORTING_PROGRAMS
+        overlap = overlap and 0 < cap <= MAX_REPORTING_PROGRAMS and not self.copy_engine_on(sink_kind)
         per_field = []
         with st.on_stream():  # block tables go to the device ahead of the kernels reading them
             for f, (rb, w, off) in enumerate(zip(rbs, ws, field_offsets(self.world, R, rbs))):
@@ -149,7 +151,10 @@ class Launches:
         peers = [None if pe == self.rank else st.peer_addr[pe] + off for pe in range(W)]
         dt = _WORD_DTYPES[w]
         vec = 16 // w if rb % 16 == 0 else 1
-        send = to_blocks(rnd.send, rb // w, block_words)
+        copy_engine = self.copy_engine_on(sink_kind)
+        # the copy engines move the rows: the launch only publishes and signals
+        send_rows = TaskTable.empty(W) if copy_engine else rnd.send
+        send = to_blocks(send_rows, rb // w, block_words)
         recv = to_blocks(rnd.recv, rb // w, block_words)
         progress = waits = None
         if overlap:
@@ -178,6 +183,9 @@ class Launches:
             progress=progress,
             publish=publish,
         )
+        if copy_engine:
+            copies = copy_engine_copies(rnd.send, peers, rb)
+            sender = CopyEngineSend(sender, copies, st.rt.platform.memcpy)
         receiver = make(
             recv.to(st.device, host_to_device),
             [None] * W,
@@ -190,6 +198,11 @@ class Launches:
             waits=waits,
         )
         return sender, receiver
+
+    def copy_engine_on(self, sink_kind: str) -> bool:
+        """Whether a ``sink_kind`` call's sends go by the copy engines (``copy_engine``: the
+        fused reduce's)."""
+        return self.config.copy_engine and sink_kind == SINK_NONE
 
     def overlap_on(self, sink_kind: str) -> bool:
         """Whether the receive step of a ``sink_kind`` call may run beside its send kernel."""

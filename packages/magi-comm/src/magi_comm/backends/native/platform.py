@@ -56,6 +56,18 @@ class CudaPlatform:
         """Keep ``tensor``'s memory from reuse until the work enqueued on ``stream`` is done."""
         tensor.record_stream(stream)
 
+    def memcpy(self, dst: int, src: int, nbytes: int, stream) -> None:
+        """Enqueue on ``stream`` a copy of ``nbytes`` from device address ``src`` to ``dst``
+        (local, or a peer's memory mapped over NVLink) by the copy engines
+        (``cuMemcpyAsync``: unified addressing finds both ends)."""
+        import cuda.bindings.driver as drv
+
+        (err,) = drv.cuMemcpyAsync(
+            drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, drv.CUstream(stream.cuda_stream)
+        )
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"magi_comm native: cuMemcpyAsync of {nbytes} bytes failed: {err}")
+
     def nvshmem(self, heap_bytes: int):
         """``(nvshmem.core, nvshmem.bindings, cuda.core.Device)``, imported on first use. The
         symmetric heap gets ``heap_bytes`` unless ``$NVSHMEM_SYMMETRIC_SIZE`` is set (NVSHMEM

@@ -153,7 +153,9 @@ class ReducePath:
         st, outputs = self.state, self.state.outputs
         apart = out is None or not spans_overlap(src, out)
         aligned = rb % 16 == 0 and src.data_ptr() % 16 == 0
-        a = outputs.index(src) if fused and apart and aligned else None
+        # the copy engines push every row (copy_engine): nothing is offered for pulling
+        pushed = self.config.copy_engine
+        a = outputs.index(src) if fused and apart and aligned and not pushed else None
 
         def build(pull):
             with st.on_stream():  # ahead of the send kernel reading it
