@@ -214,6 +214,18 @@ def test_overlap_chunk_from_env(monkeypatch):
         assert native.ENV_OVERLAP_CHUNK_KB in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, False), ("1", True), ("0", False), ("off", False), ("yes", True)]
+)
+def test_copy_engine_from_env(monkeypatch, value, on):
+    """$MAGI_COMM_NATIVE_COPY_ENGINE: off unless set to something other than 0 / false / no / off."""
+    if value is None:
+        monkeypatch.delenv(native.ENV_COPY_ENGINE, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV_COPY_ENGINE, value)
+    assert NativeConfig.from_env().copy_engine is on
+
+
 def test_reduce_tile_shape_from_env(monkeypatch):
     monkeypatch.setenv(native.ENV_REDUCE_ROWS, "4")
     monkeypatch.setenv(native.ENV_REDUCE_WARPS, "8")

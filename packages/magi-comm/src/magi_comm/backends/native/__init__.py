@@ -12,6 +12,7 @@ from .. import BackendUnavailableError, register_backend  # noqa: F401  (an attr
 from .backend import NativeBackend
 from .config import (
     ENV_BUFFER_MB,
+    ENV_COPY_ENGINE,
     ENV_DEVICE_HANDSHAKE,
     ENV_FUSED_REDUCE,
     ENV_MAX_PROGRAMS,
@@ -27,6 +28,7 @@ from .runtime import shutdown
 
 __all__ = [
     "ENV_BUFFER_MB",
+    "ENV_COPY_ENGINE",
     "ENV_DEVICE_HANDSHAKE",
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
