@@ -95,6 +95,34 @@ def test_copy_engine_reduce_in_fake_world(world, handshake):
     assert (fw.kernel_signals > 0) == handshake
 
 
+def test_backends_of_one_group_keep_their_own_copy_engine_setting_on_a_shared_plan():
+    """Two backends of one group (one shared state) with ``copy_engine`` off and on, reducing
+    with the same plan object: each runs its own send (the layouts cached on the plan are keyed
+    by the settings), both against the oracle."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    lay = lib.random_layout(random.Random(7), world, max_splits=3, max_size=40)
+    case = {"layout": lay, "seed": 3, "row_shape": (4,)}
+
+    def rank_fn(rank):
+        ins, outs, dst, src = lay.reduce_args(rank)
+        plan = build_reduce_plan(ins, outs, dst, src, rank, world)
+        inputs = [lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32) for r in range(world)]
+        old = lib.rank_data(case, rank, sum(lay.in_sizes[rank]), torch.float32, salt=1)
+        plain = NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20))
+        engines = NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20, copy_engine=True))
+        with plain as a, engines as b:
+            for be in (a, b, a):
+                out = old.clone()
+                be.group_reduce(inputs[rank], out, plan, False, "sum", None, None, True).wait()
+                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True))
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    # the copy-engine backend came second to the plan: its send still went by the copy engines
+    assert fw.memcpys > 0 and fw.reduces == 3 * world, (fw.memcpys, fw.reduces)
+
+
 def test_copy_engine_copies_cover_every_task_and_destination():
     """One copy per task and valid destination column: peers at their area's address plus the
     row offset, the sink column as an offset into the call's sink."""

@@ -117,8 +117,9 @@ class NativeConfig:
             backward kernel, a copy-engine copy of 256 MB cost it 0.2-0.4 ms where the fused
             reduce's send and reduction cost it 0.7-1.2 ms (docs/perf.md, "The backward
             beside its reduce"). Its inputs are never pulled, and it reports no progress (the
-            reduction follows the transfer). ``$MAGI_COMM_NATIVE_COPY_ENGINE=1``; off by
-            default.
+            reduction follows the transfer, so ``overlap_reduce`` does not apply), and it needs
+            ``fused_reduce`` (the staged reduce and the casts keep the copy kernel).
+            ``$MAGI_COMM_NATIVE_COPY_ENGINE=1``; off by default.
     """
 
     buffer_bytes: int = 256 * MIB

@@ -103,10 +103,11 @@ class Launches:
         bytes per row, moved in words of ``ws`` bytes, needs except the tensors' addresses.
 
         Cached on the plan. Depends on the receive buffer (its size and address: part of the
-        key), so a grown buffer gets a fresh entry."""
+        key), so a grown buffer gets a fresh entry, and on the backend's settings (also in the
+        key: two backends of one group share its state, and may share a plan)."""
         st = self.state
         assert st.buf is not None  # the receive buffer exists once the group is set up
-        key = ("native-layout", sink_kind, rbs, ws, st.capacity, st.buf.data_ptr())
+        key = ("native-layout", sink_kind, rbs, ws, st.capacity, st.buf.data_ptr(), self.config)
         layout = plan._on_device.get(key)
         if layout is not None:
             return layout

@@ -14,7 +14,7 @@ import contextvars
 import os
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed
@@ -47,6 +47,7 @@ class CudaPlatform:
         self.dist = torch.distributed
         self.lock = threading.Lock()
         self.runtime: Runtime | None = None
+        self._driver: Any = None  # cuda.bindings.driver, imported by the first memcpy
 
     def device(self, index: int) -> torch.device:
         """The device of CUDA ordinal ``index``."""
@@ -59,12 +60,17 @@ class CudaPlatform:
     def memcpy(self, dst: int, src: int, nbytes: int, stream) -> None:
         """Enqueue on ``stream`` a copy of ``nbytes`` from device address ``src`` to ``dst``
         (local, or a peer's memory mapped over NVLink) by the copy engines
-        (``cuMemcpyAsync``: unified addressing finds both ends)."""
-        import cuda.bindings.driver as drv
+        (``cuMemcpyAsync``: unified addressing finds both ends). A kernel enqueued after it
+        on ``stream`` starts once the copy is complete, so its system-scope release and
+        signal (the send launch's) make the rows visible to the peer it signals: the ordering
+        the copy-engine send relies on (``NativeConfig.copy_engine``)."""
+        if self._driver is None:
+            import cuda.bindings.driver
 
-        (err,) = drv.cuMemcpyAsync(
-            drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, drv.CUstream(stream.cuda_stream)
-        )
+            self._driver = cuda.bindings.driver
+        drv = self._driver
+        handle = (stream if stream is not None else torch.cuda.current_stream()).cuda_stream
+        (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), nbytes, drv.CUstream(handle))
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"magi_comm native: cuMemcpyAsync of {nbytes} bytes failed: {err}")
 
