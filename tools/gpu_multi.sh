@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|copy-engine
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -36,6 +36,11 @@
 #   trace-step  (not in all) bench_dist --step --trace at degree 0, native, on 2 GPUs (MASKS,
 #               default varlen_causal; TOTALS_TRACE, default 65536), then tools/trace_summary.py
 #               over every rank's timeline: busy and idle time per stream, the largest gaps
+#   copy-engine (not in all) the native reduce's send by the copy engines against the copy
+#               kernel: MAGI_COMM_NATIVE_COPY_ENGINE=1, then 0 (a process each: the backend reads
+#               it once), the step in turns with the split backward off and on (tools/step_ab.py,
+#               --profile; varlen causal and varlen full, TOTALS) on NPROC GPUs (default 2), and
+#               bench_comm's rows at 16 and 64 MiB on 2 GPUs
 # The benchmark parts loop over COMMS (default "a2av native"), DEGREES ("0 2", forward) and TOTALS
 # ("65536 131072"); narrow them to keep one call under the device's 10 minutes, e.g.
 #   COMMS=native TOTALS=131072 bash tools/gpu_multi.sh bench-step
@@ -163,6 +168,15 @@ if [[ $what == cp-step ]]; then
         --masks "${MASKS:-varlen_causal,varlen_full}" --alternate "${ALTERNATE:-2}"
     done
   fi
+fi
+if [[ $what == copy-engine ]]; then
+  nproc=${NPROC:-2}
+  for ce in 1 0; do
+    step "step_ab_ce${ce}_cp${nproc}.log" 40 280 env MAGI_COMM_BACKEND=native MAGI_COMM_NATIVE_COPY_ENGINE=$ce \
+      torchrun --standalone --nproc-per-node "$nproc" tools/step_ab.py --setting nosplit:MAGI_DIST_BWD_SPLIT=0 \
+      --setting split:MAGI_DIST_BWD_SPLIT=1 --masks varlen_causal,varlen_full --totals $TOTALS --rounds 6 --profile
+    step "bench_comm_ce${ce}.log" 16 200 env MAGI_COMM_NATIVE_COPY_ENGINE=$ce $run2 tools/bench_comm.py --sizes 16,64
+  done
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
