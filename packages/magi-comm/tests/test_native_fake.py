@@ -254,6 +254,32 @@ def test_copy_engine_from_env(monkeypatch, value, on):
     assert NativeConfig.from_env().copy_engine is on
 
 
+def test_reduce_programs_cap_the_fused_reduction(monkeypatch):
+    """``reduce_programs`` (``$MAGI_COMM_NATIVE_REDUCE_PROGRAMS``): the fused reduction after the
+    transfer launches with that grid cap, results against the oracle, with and without the
+    copy-engine send; a negative value is refused naming the variable."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    cases = [c for c in native_cases.draw(world, 500, 12, big=False) if c["kind"] == "reduce"]
+    assert cases
+
+    def rank_fn(rank):
+        for ce in (False, True):
+            cfg = NativeConfig(buffer_bytes=1 << 20, reduce_programs=3, copy_engine=ce)
+            with NativeBackend("group", rank, world, cfg) as be:
+                for case in cases:
+                    native_cases.run(be, case, rank, world)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.reduces > 0 and fw.reduce_caps == {3}, (fw.reduces, fw.reduce_caps)
+    monkeypatch.setenv(native.ENV_REDUCE_PROGRAMS, "16")
+    assert NativeConfig.from_env().reduce_programs == 16
+    monkeypatch.setenv(native.ENV_REDUCE_PROGRAMS, "-1")
+    with pytest.raises(ValueError, match=native.ENV_REDUCE_PROGRAMS):
+        NativeConfig.from_env()
+
+
 def test_reduce_tile_shape_from_env(monkeypatch):
     monkeypatch.setenv(native.ENV_REDUCE_ROWS, "4")
     monkeypatch.setenv(native.ENV_REDUCE_WARPS, "8")

@@ -70,6 +70,7 @@ class FakeWorld:
         self.overlapped_reduces = 0  # of which fused reductions
         self.puts = 0
         self.memcpys = 0  # copies by the (fake) copy engines
+        self.reduce_caps: set[int] = set()  # grid caps of fused reductions after the transfer
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
         self.pulled_rows = 0  # reduction terms read from a source's input (pull)

@@ -249,6 +249,7 @@ def launch_reduce(
     end=None,
     tile_rows=None,
     num_warps=None,
+    max_programs=0,
     world=None,
 ):
     """The fused reduction's reference (arguments of the real ``launch_reduce``) in ``world``;
@@ -257,6 +258,10 @@ def launch_reduce(
         assert waits is None, "a waiting reduction keeps the default tile (its wait tables)"
         with world.cond:
             world.reduce_shapes.add((tile_rows, num_warps))
+    if max_programs:
+        assert waits is None, "a waiting reduction's grid is its waits' cap"
+        with world.cond:
+            world.reduce_caps.add(max_programs)
     if waits is not None:
         need, order, sig, words, cap = waits
         assert sorted(order.tolist()) == list(range(need.shape[0]))

@@ -39,6 +39,7 @@ ENV_WAIT_TIMEOUT = "MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"
 ENV_REDUCE_ROWS = "MAGI_COMM_NATIVE_REDUCE_ROWS"
 ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
 ENV_COPY_ENGINE = "MAGI_COMM_NATIVE_COPY_ENGINE"
+ENV_REDUCE_PROGRAMS = "MAGI_COMM_NATIVE_REDUCE_PROGRAMS"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
@@ -49,6 +50,7 @@ _INT_ENVS = {
     "overlap_chunk_bytes": ENV_OVERLAP_CHUNK_KB,
     "reduce_tile_rows": ENV_REDUCE_ROWS,
     "reduce_warps": ENV_REDUCE_WARPS,
+    "reduce_programs": ENV_REDUCE_PROGRAMS,
 }
 CONSUMER_PROGRAMS = 128  # grid of a waiting receive step when max_programs is 0 (unbounded)
 
@@ -120,6 +122,10 @@ class NativeConfig:
             reduction follows the transfer, so ``overlap_reduce`` does not apply), and it needs
             ``fused_reduce`` (the staged reduce and the casts keep the copy kernel).
             ``$MAGI_COMM_NATIVE_COPY_ENGINE=1``; off by default.
+        reduce_programs: most programs of the fused reduction after the transfer (they stride
+            over its tiles; ``$MAGI_COMM_NATIVE_REDUCE_PROGRAMS``; 0, the default: one per
+            tile). A knob for a reduction that runs beside a kernel (the backward beside its
+            dK/dV reduce): a capped grid takes fewer of its SMs, for a longer reduction.
     """
 
     buffer_bytes: int = 256 * MIB
@@ -137,12 +143,15 @@ class NativeConfig:
     reduce_tile_rows: int = 0
     reduce_warps: int = 0
     copy_engine: bool = False
+    reduce_programs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("reduce_tile_rows", "reduce_warps"):
             value = getattr(self, name)
             if value < 0 or value & (value - 1):
                 raise ValueError(f"{name} must be 0 (the default) or a power of two, got {value}")
+        if self.reduce_programs < 0:
+            raise ValueError(f"reduce_programs must be >= 0 (0: one per tile), got {self.reduce_programs}")
         if self.max_programs < 0:
             raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {self.max_programs}")
         if self.overlap_chunk_bytes < 0:

@@ -68,7 +68,7 @@ class ReducePath:
         pub, pulled = self.publish(plan, src, rb, fused=True, out=out)
 
         def consume(stream, words):
-            waits, shape = None, self.shape
+            waits, shape = None, dict(self.shape, max_programs=self.config.reduce_programs)
             if words is not None:  # beside the transfer: wait for the peers' rows
                 waits = (need, order, st.sig.data_ptr(), words, self.config.max_programs or CONSUMER_PROGRAMS)
                 shape = {}  # its wait tables are cut by the default tile

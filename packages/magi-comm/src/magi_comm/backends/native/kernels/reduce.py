@@ -232,6 +232,7 @@ def launch_reduce(
     end: tuple[Handshake, int, int, tuple[int, ...], bool] | None = None,
     tile_rows: int | None = None,
     num_warps: int | None = None,
+    max_programs: int = 0,
 ) -> None:
     """Fused deterministic sum / avg into ``out`` on ``stream`` (None: the current one).
 
@@ -265,6 +266,8 @@ def launch_reduce(
         tile_rows / num_warps: the tile height (default :func:`reduce_tile_rows`; a waiting
             reduction must keep the default, its wait tables are cut by it) and the warps per
             program (default ``REDUCE_WARPS``; tools/bench_reduce_kernel.py sweeps both).
+        max_programs: without ``waits``, the most programs (they stride over the tiles; 0: one
+            per tile), so that a reduction beside a kernel takes fewer SMs from it.
     """
     n_rows, E = out.shape[0], out.shape[1]
     if waits is not None and tile_rows not in (None, reduce_tile_rows(E, True)):
@@ -281,7 +284,7 @@ def launch_reduce(
     ntiles = triton.cdiv(n_rows, br) * triton.cdiv(E, bc)
     words: tuple[int, ...]  # one packed word per peer (none without waits)
     if waits is None:
-        grid = (max(ntiles, 1), 1, 1)
+        grid = (max(min(ntiles, max_programs) if max_programs > 0 else ntiles, 1), 1, 1)
         need, order, sig, words = nterms, nterms, out.data_ptr(), ()
     else:
         need, order, sig, words, cap = waits
