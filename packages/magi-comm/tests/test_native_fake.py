@@ -124,22 +124,21 @@ def test_backends_of_one_group_keep_their_own_copy_engine_setting_on_a_shared_pl
 
 
 def test_copy_engine_copies_cover_every_task_and_destination():
-    """One copy per task and valid destination column: peers at their area's address plus the
-    row offset, the sink column as an offset into the call's sink."""
-    import torch
-
+    """One copy per task and valid peer column, at the peer's area address plus the row offset;
+    a task into the sink (none in a fused reduce's send) or to a peer without an area is refused."""
     from magi_comm.backends.native.copy_engine import copy_engine_copies
     from magi_comm.backends.native.layout import TaskTable
 
     table = TaskTable(
-        torch.tensor([0, 5]), torch.tensor([3, 2]), torch.tensor([[-1, 4, -1, -1], [7, -1, -1, 1]])
+        torch.tensor([0, 5]), torch.tensor([3, 2]), torch.tensor([[-1, 4, -1, -1], [7, -1, -1, -1]])
     )
     got = copy_engine_copies(table, [1000, 2000, None], 16)
-    assert got == [(0, False, 2000 + 64, 48), (80, False, 1000 + 112, 32), (80, True, 16, 32)]
-    with pytest.raises(AssertionError, match="peer 2"):
-        copy_engine_copies(
-            TaskTable(torch.tensor([0]), torch.tensor([1]), torch.tensor([[-1, -1, 0, -1]])), [1, 2, None], 8
-        )
+    assert got == [(0, 2000 + 64, 48), (80, 1000 + 112, 32)]
+    for dst_row, match in (([[-1, -1, 0, -1]], "peer 2"), ([[0, -1, -1, 1]], "sink")):
+        with pytest.raises(AssertionError, match=match):
+            copy_engine_copies(
+                TaskTable(torch.tensor([0]), torch.tensor([1]), torch.tensor(dst_row)), [1, 2, None], 8
+            )
 
 
 def _layout_over(world: int, rows: int):
