@@ -21,9 +21,10 @@ silently not apply. A setting that sizes the symmetric partials' pool frees it a
 timings (collective), so the next setting runs without it. ``--degree`` defaults to 0 here (the
 switches are about the degree-0 path); bench_dist's ``--trace`` and ``--alternate`` are refused.
 
-``--profile`` (GPU): after the timings, three steps of each setting under the profiler, and per
-rank the GPU time per step of the attention backward and forward kernels, the fused reduction,
-the copy kernels and the window from the first to the last GPU event (`kernel_times`).
+``--profile`` (GPU): after the timings, `PROFILE_STEPS` steps of each setting under the
+profiler, and per rank the GPU time per step of the attention backward and forward kernels, the
+fused reduction, the copy kernels and the window from the first to the last GPU event
+(`kernel_times`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ def kernel_times(trace: dict, steps: int) -> dict[str, float]:
     return out
 
 
-def _profile(step, group, steps: int = 3) -> dict[str, float]:
+PROFILE_STEPS = 3  # steps recorded per setting under the profiler
+
+
+def _profile(step, group, steps: int = PROFILE_STEPS) -> dict[str, float]:
     # One step in the profiler's warm-up (the tracer starts there, taking a different time on
     # each rank), then the ranks together, then the recorded steps: else a rank's collectives
     # would wait in the record for a peer whose tracer was still starting.
@@ -218,7 +222,8 @@ def measure(case, bargs, settings: list[Setting], rounds: int, profile: bool, gr
             gathered: list[object] = [None] * s.cp
             dist.all_gather_object(gathered, mine, group=group)
             per_setting[st.name] = gathered
-        text += "\n\n" + _profile_table(f"{case.name}: GPU time per step (profiler, 3 steps)", per_setting)
+        title = f"{case.name}: GPU time per step (profiler, {PROFILE_STEPS} steps)"
+        text += "\n\n" + _profile_table(title, per_setting)
     return text
 
 

@@ -205,9 +205,9 @@ STAGE_MARK = 1  # what the stubbed rule answers for the whole stage (it divides 
 
 def test_split_backward_heads_per_cta():
     """auto: each call by the kernel's rule (None passed, the rule not asked); stage (and the
-    switch unset, its default): the rule asked once, over the whole stage (the remote keys' call's K rows, both calls' slices), and its
-    answer passed to both calls; a number: that one to both; the single-process result under each
-    (GQA 4:2 and 8:2, so 2 divides the group)."""
+    switch unset, its default): the rule asked once, over the whole stage (the remote keys'
+    call's K rows, both calls' slices), and its answer passed to both calls; a number: that one
+    to both; the single-process result under each (GQA 4:2 and 8:2, so 2 divides the group)."""
     cu = [0, 37, 121, 190]
     cases = [
         Case.from_mask("varlen-causal", masks.varlen(cu, causal=True), degree=0, seed=16),
