@@ -203,6 +203,48 @@ def test_heap_size_is_read_as_nvshmem_reads_it():
     assert parse_size("lots", 7) == 0 and parse_size("1.5G", 7) == 0  # unknown: nothing grows
 
 
+def test_default_heap_is_an_eighth_of_the_gpu_with_vmm():
+    from magi_comm.backends.native.runtime import default_heap_bytes
+
+    gib, mib = 1 << 30, 1 << 20
+    assert default_heap_bytes(256 * mib, 80 * gib, vmm=True) == 10 * gib
+    assert default_heap_bytes(3 * gib, 80 * gib, vmm=True) == 12 * gib  # 4 buffers
+    assert default_heap_bytes(256 * mib, 4 * gib, vmm=True) == gib  # the floor
+    # without VMM NVSHMEM maps the whole heap at init: only the floor
+    assert default_heap_bytes(256 * mib, 80 * gib, vmm=False) == gib
+    assert default_heap_bytes(512 * mib, 80 * gib, vmm=False) == 2 * gib
+
+
+@pytest.mark.parametrize(
+    "env, heap_gib",
+    [
+        ({}, 8),
+        ({"NVSHMEM_DISABLE_CUDA_VMM": "0"}, 8),
+        ({"NVSHMEM_DISABLE_CUDA_VMM": "1"}, 1),
+        ({"NVSHMEM_DISABLE_CUDA_VMM": "True"}, 1),
+        ({"NVSHMEM_SYMMETRIC_SIZE": "2G"}, 2),  # the user's size wins
+    ],
+)
+def test_runtime_heap_from_the_gpus_memory(monkeypatch, env, heap_gib):
+    """The runtime's heap (the budget reserve_rows grows the receive buffer within) follows the
+    simulated GPU's memory unless VMM is off or the size is set."""
+    for name in ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_CUDA_VMM"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    fw = native_fake.FakeWorld(2)
+    fw.device_bytes = 64 << 30
+    seen = {}
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=1 << 20)) as be:
+            seen[rank] = be._rt.heap_bytes
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert seen == {0: heap_gib << 30, 1: heap_gib << 30}
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_receive_steps_take_rows_as_they_arrive(world):
     """Overlap with chunks of one block: the send kernels report every block of pairs that

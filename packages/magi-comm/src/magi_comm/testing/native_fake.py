@@ -70,6 +70,7 @@ class FakeWorld:
         self.overlapped_reduces = 0  # of which fused reductions
         self.puts = 0
         self.memcpys = 0  # copies by the (fake) copy engines
+        self.device_bytes = 0  # each simulated GPU's memory (0: the default heap is its floor)
         self.reduce_caps: set[int] = set()  # grid caps of fused reductions after the transfer
         self.puts_by = [0] * world
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
@@ -343,6 +344,9 @@ class FakePlatform:
 
     def device(self, index: int) -> torch.device:
         return torch.device("cpu")
+
+    def device_memory(self, index: int) -> int:
+        return self.world.device_bytes
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass

@@ -53,6 +53,10 @@ class CudaPlatform:
         """The device of CUDA ordinal ``index``."""
         return torch.device("cuda", index)
 
+    def device_memory(self, index: int) -> int:
+        """Bytes of memory of CUDA device ``index`` (sizes the default symmetric heap)."""
+        return int(torch.cuda.get_device_properties(index).total_memory)
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Keep ``tensor``'s memory from reuse until the work enqueued on ``stream`` is done."""
         tensor.record_stream(stream)

@@ -78,13 +78,14 @@ class Runtime:
                         f"collective NVSHMEM allocations over other ranks (one runtime per process)"
                     )
                 return rt
-            # The symmetric heap must hold the buffer and its growth.
-            heap = max(1 << 30, 4 * config.aligned_buffer_bytes())
+            device = platform.cuda.current_device()
+            heap = default_heap_bytes(
+                config.aligned_buffer_bytes(), platform.device_memory(device), nvshmem_vmm_on()
+            )
             try:
                 nvc, nvb, Device = platform.nvshmem(heap)
             except ImportError as e:
                 raise unavailable(f"nvshmem4py / cuda.core cannot be imported ({e})") from e
-            device = platform.cuda.current_device()
             dev = Device(device)
             dev.set_current()
             uid = nvc.get_unique_id(empty=rank != 0)
@@ -99,6 +100,30 @@ class Runtime:
             heap = parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE", ""), heap)
             rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
             return rt
+
+
+def default_heap_bytes(buffer_bytes: int, device_bytes: int, vmm: bool) -> int:
+    """The symmetric heap asked for when ``$NVSHMEM_SYMMETRIC_SIZE`` is unset: the receive
+    buffer (``buffer_bytes``) and its growth must fit, so at least 1 GiB and 4 buffers; with
+    NVSHMEM's CUDA VMM heap (``vmm``, its default on NVLink-connected GPUs) also an eighth of
+    the GPU's ``device_bytes``.
+
+    Why the eighth: a VMM heap maps memory as allocations take it, so its size costs nothing
+    until then (measured on H100: NVSHMEM's init took 2932 MiB with a 1 GiB heap and with an
+    8 GiB one), and it is the budget `NativeBackend.reserve_rows` grows the receive buffer
+    within (half of it). A buffer that does not fit sends a reduce in rounds on the staged path:
+    at cp 4 and 128k tokens (Hk 8, D 128) the degree-0 backward's float32 partials needed a
+    buffer of about 0.8 GB, past a 1 GiB heap's half, and the step ran 2-5% slower
+    (docs/perf.md). Without VMM NVSHMEM maps the whole heap at init: then only the floor."""
+    floor = max(1 << 30, 4 * buffer_bytes)
+    return max(floor, device_bytes // 8) if vmm else floor
+
+
+def nvshmem_vmm_on() -> bool:
+    """Whether NVSHMEM will take its heap through CUDA VMM: unless
+    ``$NVSHMEM_DISABLE_CUDA_VMM`` is set true (NVSHMEM's boolean spellings)."""
+    raw = os.environ.get("NVSHMEM_DISABLE_CUDA_VMM", "").strip().lower()
+    return raw in ("", "0", "n", "no", "f", "false", "off")
 
 
 _SIZE = re.compile(r"\s*(\d+)\s*([kmgt]?)b?\s*", re.IGNORECASE)
