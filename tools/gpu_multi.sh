@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|copy-engine
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|split-ab|copy-engine
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -36,6 +36,9 @@
 #   trace-step  (not in all) bench_dist --step --trace at degree 0, native, on 2 GPUs (MASKS,
 #               default varlen_causal; TOTALS_TRACE, default 65536), then tools/trace_summary.py
 #               over every rank's timeline: busy and idle time per stream, the largest gaps
+#   split-ab    (not in all) the backward split against no split in turns (tools/step_ab.py) on
+#               NPROC GPUs (default 4; BWD_SPLIT_MIN_CP in magi_dist.attn sets the default), varlen
+#               causal, varlen full and causal at TOTALS
 #   copy-engine (not in all) the native reduce's send by the copy engines against the copy
 #               kernel: MAGI_COMM_NATIVE_COPY_ENGINE=1, then 0 (a process each: the backend reads
 #               it once), the step in turns with the split backward off and on (tools/step_ab.py,
@@ -177,6 +180,13 @@ if [[ $what == copy-engine ]]; then
       --setting split:MAGI_DIST_BWD_SPLIT=1 --masks varlen_causal,varlen_full --totals $TOTALS --rounds 6 --profile
     step "bench_comm_ce${ce}.log" 16 200 env MAGI_COMM_NATIVE_COPY_ENGINE=$ce $run2 tools/bench_comm.py --sizes 16,64
   done
+fi
+if [[ $what == split-ab ]]; then
+  nproc=${NPROC:-4}
+  step "step_ab_split_cp${nproc}.log" 40 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
+    --nproc-per-node "$nproc" tools/step_ab.py --setting split:MAGI_DIST_BWD_SPLIT=1 \
+    --setting nosplit:MAGI_DIST_BWD_SPLIT=0 --masks varlen_causal,varlen_full,causal --totals $TOTALS \
+    --rounds 6 --iters 6
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
