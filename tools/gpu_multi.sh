@@ -183,10 +183,14 @@ if [[ $what == copy-engine ]]; then
 fi
 if [[ $what == split-ab ]]; then
   nproc=${NPROC:-4}
-  step "step_ab_split_cp${nproc}.log" 40 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
-    --nproc-per-node "$nproc" tools/step_ab.py --setting split:MAGI_DIST_BWD_SPLIT=1 \
-    --setting nosplit:MAGI_DIST_BWD_SPLIT=0 --masks varlen_causal,varlen_full,causal --totals $TOTALS \
-    --rounds 6 --iters 6
+  if (( nproc > ngpu )); then
+    echo "split-ab: needs NPROC <= the $ngpu GPUs found, got $nproc (skipped)"
+  else
+    step "step_ab_split_cp${nproc}.log" 40 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
+      --nproc-per-node "$nproc" tools/step_ab.py --setting split:MAGI_DIST_BWD_SPLIT=1 \
+      --setting nosplit:MAGI_DIST_BWD_SPLIT=0 --masks varlen_causal,varlen_full,causal --totals $TOTALS \
+      --rounds 6 --iters 6
+  fi
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \

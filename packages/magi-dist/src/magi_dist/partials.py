@@ -39,8 +39,8 @@ Lifetime, and why it is safe:
   D 128 those alone are 256 MiB, the whole buffer 440-512 MiB on the largest rank, so 256 serves
   only smaller calls) of
   the symmetric heap, whose size NVSHMEM fixes at init (``NVSHMEM_SYMMETRIC_SIZE``, by default
-  an eighth of the GPU's memory with NVSHMEM's on-demand VMM heap, else max(1 GiB, 4 x the
-  native receive buffer of 256 MiB)); a buffer that does not fit is a plain
+  max(1 GiB, 4 x the native receive buffer of 256 MiB, and an eighth of the GPU's memory with
+  NVSHMEM's on-demand VMM heap)); a buffer that does not fit is a plain
   tensor for that call (its rows are sent, as with ``torch.zeros``), decided alike everywhere.
 * **No aliasing.** The degree-0 buffer holds the local rows' gradients too; they are copied (or
   summed with the owners' sums) into fresh tensors rather than returned as views of the pooled

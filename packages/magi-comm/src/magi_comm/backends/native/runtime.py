@@ -96,8 +96,16 @@ class Runtime:
                 raise RuntimeError(
                     f"magi_comm native: NVSHMEM PE {nvc.my_pe()}/{nvc.n_pes()} != group rank {rank}/{world}"
                 )
-            logger.info("magi_comm native: NVSHMEM %s initialized, PE %d/%d", nvc.get_version(), rank, world)
             heap = parse_size(os.environ.get("NVSHMEM_SYMMETRIC_SIZE", ""), heap)
+            logger.info(
+                "magi_comm native: NVSHMEM %s initialized, PE %d/%d, symmetric heap %.0f MiB "
+                "(NVSHMEM_DISABLE_CUDA_VMM %s)",
+                nvc.get_version(),
+                rank,
+                world,
+                heap / (1 << 20),
+                "unset or false" if nvshmem_vmm_on() else "set",
+            )
             rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
             return rt
 
