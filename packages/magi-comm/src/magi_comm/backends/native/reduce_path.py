@@ -153,8 +153,9 @@ class ReducePath:
         st, outputs = self.state, self.state.outputs
         apart = out is None or not spans_overlap(src, out)
         aligned = rb % 16 == 0 and src.data_ptr() % 16 == 0
-        # the copy engines push every row (copy_engine): nothing is offered for pulling
-        pushed = self.config.copy_engine
+        # the copy engines push every row of a fused reduce (its SINK_NONE sends; the one rule of
+        # Launches.copy_engine_on): nothing is offered for pulling
+        pushed = self.launches.copy_engine_on(SINK_NONE)
         a = outputs.index(src) if fused and apart and aligned and not pushed else None
 
         def build(pull):

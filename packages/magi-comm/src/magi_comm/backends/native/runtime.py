@@ -79,9 +79,8 @@ class Runtime:
                     )
                 return rt
             device = platform.cuda.current_device()
-            heap = default_heap_bytes(
-                config.aligned_buffer_bytes(), platform.device_memory(device), nvshmem_vmm_on()
-            )
+            vmm = nvshmem_vmm_on()
+            heap = default_heap_bytes(config.aligned_buffer_bytes(), platform.device_memory(device), vmm)
             try:
                 nvc, nvb, Device = platform.nvshmem(heap)
             except ImportError as e:
@@ -104,7 +103,7 @@ class Runtime:
                 rank,
                 world,
                 heap / (1 << 20),
-                "unset or false" if nvshmem_vmm_on() else "set",
+                "unset or false" if vmm else "set",
             )
             rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
             return rt
@@ -113,8 +112,8 @@ class Runtime:
 def default_heap_bytes(buffer_bytes: int, device_bytes: int, vmm: bool) -> int:
     """The symmetric heap asked for when ``$NVSHMEM_SYMMETRIC_SIZE`` is unset: the receive
     buffer (``buffer_bytes``) and its growth must fit, so at least 1 GiB and 4 buffers; with
-    NVSHMEM's CUDA VMM heap (``vmm``, its default on NVLink-connected GPUs) also an eighth of
-    the GPU's ``device_bytes``.
+    NVSHMEM's CUDA VMM heap (``vmm``; on by default in the kit's NVSHMEM on H100, where the
+    measurement below was taken) also an eighth of the GPU's ``device_bytes``.
 
     Why the eighth: a VMM heap maps memory as allocations take it, so its size costs nothing
     until then (measured on H100: NVSHMEM's init took 2932 MiB with a 1 GiB heap and with an
