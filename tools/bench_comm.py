@@ -122,9 +122,11 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 0:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-        print(f"host path: {host:.1f} us per call\n{buf.getvalue()}", flush=True)
+        print(f"host path: {host:.1f} us per call", flush=True)
+        for key in ("tottime", "cumtime"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
+            print(buf.getvalue(), flush=True)
 
 
 def peer_push(

@@ -159,7 +159,7 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
     most rows per pair (every rank, same arguments) every rank's call is one round and fused.
     A smaller need, or one past half of the symmetric heap, leaves the buffer as it is. The
     reduce's results against the oracle after the growth."""
-    from magi_comm.backends.native.layout import region_rows
+    from magi_comm.backends.native.layout import bytes_needed, region_rows, reserved_capacity
 
     fw = native_fake.FakeWorld(world)
     mib, row = 1 << 20, (2048,)  # float32 rows of 8 KiB: 1 MiB holds 127 (2 ranks) or 63 per peer
@@ -186,9 +186,37 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
     reduces = fw.reduces
     native_fake.run_ranks(fw, rank_fn)
     assert any(before == 0 for before, *_ in seen.values()), seen  # some rank needed rounds
+    grown = reserved_capacity(bytes_needed(world, (rb,), most), 512 * mib)  # half the 1 GiB heap
+    assert {cap for _, _, cap, _ in seen.values()} == {grown}, seen
     for rank, (_, after, cap, now) in seen.items():
         assert after >= most and cap > mib and now == cap, (rank, seen[rank])
     assert fw.reduces - reduces >= world  # every rank's call ran the fused reduction
+
+
+def test_reserve_rows_grows_by_an_eighth_within_the_heap(monkeypatch):
+    """A reserve grows the buffer to its need and an eighth: with a 160 MiB heap (80 MiB for the
+    buffer) a 48 MiB buffer takes a 60 MiB need (doubling to 96 MiB would not fit), and a need
+    within that eighth does not grow it again; one past the room is refused."""
+    from magi_comm.backends.native.layout import bytes_needed, reserved_capacity
+
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "160M")
+    mib, rb = 1 << 20, 8 << 10
+    fw = native_fake.FakeWorld(2)
+    seen = {}
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=48 * mib)) as be:
+            be.reserve_rows(60 * mib // rb, rb)
+            first = be.capacity
+            be.reserve_rows(66 * mib // rb, rb)  # within the eighth
+            be.reserve_rows(81 * mib // rb, rb)  # past the 80 MiB room: refused
+            seen[rank] = (first, be.capacity)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    need = bytes_needed(2, (rb,), 60 * mib // rb)
+    assert reserved_capacity(need, 80 * mib) == 68 * mib
+    assert seen == {0: (68 * mib, 68 * mib), 1: (68 * mib, 68 * mib)}
 
 
 def test_heap_size_is_read_as_nvshmem_reads_it():

@@ -34,6 +34,7 @@ from magi_comm.backends.native.layout import (
     grown_capacity,
     region_index,
     region_rows,
+    reserved_capacity,
     to_blocks,
     word_size,
 )
@@ -159,6 +160,20 @@ def test_growth_policy():
     assert grown_capacity(256 * mib, 300 * mib) == 512 * mib  # doubles
     assert grown_capacity(256 * mib, 900 * mib + 5) == 901 * mib  # at least the need, MiB aligned
     assert grown_capacity(0, 1) == mib
+
+
+def test_reserve_policy():
+    """A reserve grows to its need and an eighth, within the room the heap leaves; a need past
+    the room gets nothing, one within it never less than itself."""
+    mib = 1 << 20
+    need = 781983760  # cp 4 128k's dK/dV reduce (docs/perf.md)
+    got = reserved_capacity(need, 5 << 30)
+    assert got == 839 * mib and got % mib == 0
+    assert 801177616 <= got < 2 * need  # the next mask's need fits, far from doubling
+    assert reserved_capacity(need, 800 * mib) == 800 * mib  # cut to the room, still >= the need
+    assert reserved_capacity(need, need) == need
+    assert reserved_capacity(need, need - 1) == 0
+    assert reserved_capacity(1, 4 * mib) == mib
 
 
 def test_word_size():

@@ -17,7 +17,7 @@ from .cast_path import CastPath
 from .config import ENV_BUFFER_MB, NativeConfig, unavailable
 from .group_state import GroupState
 from .launches import Launches
-from .layout import MAX_PEERS, bytes_needed, grown_capacity, row_bytes
+from .layout import MAX_PEERS, bytes_needed, reserved_capacity, row_bytes
 from .platform import CudaPlatform, process_platform
 from .reduce_path import ReducePath
 from .runtime import Runtime
@@ -192,21 +192,23 @@ class NativeBackend:
         heap = st.rt.heap_bytes
         held = sum(end - start for start, end in st.outputs.spans.values())
         room = min(heap // 2, heap - held - (64 << 20))
-        if grown_capacity(st.capacity, needed, factor=self.config.growth_factor) > room:
+        new = reserved_capacity(needed, room)
+        if not new:
             if (rows_per_peer, row_bytes) not in self._refused:
                 self._refused.add((rows_per_peer, row_bytes))
                 logger.info(
                     "magi_comm native: %d rows of %d bytes per peer would need a receive buffer of "
-                    "%.0f MiB, more than the %.0f MiB symmetric heap leaves it: such calls move in "
-                    "rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
+                    "%.0f MiB, more than the %.0f MiB the %.0f MiB symmetric heap leaves it: such "
+                    "calls move in rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
                     rows_per_peer,
                     row_bytes,
                     needed / (1 << 20),
+                    room / (1 << 20),
                     heap / (1 << 20),
                     ENV_BUFFER_MB,
                 )
             return
-        self.reserve(needed)
+        st.grow(needed, new)
 
     @property
     def capacity(self) -> int:

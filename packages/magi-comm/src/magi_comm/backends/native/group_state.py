@@ -164,9 +164,11 @@ class GroupState:
             self.rt.nvc.free_tensor(buf)
         self.capacity = 0
 
-    def grow(self, needed: int) -> None:
-        """Collective: replace the receive buffer by one of at least ``needed`` bytes."""
-        new = grown_capacity(self.capacity, needed, factor=self.config.growth_factor)
+    def grow(self, needed: int, to: int | None = None) -> None:
+        """Collective: replace the receive buffer by one of ``to`` bytes (at least ``needed``;
+        None: :func:`~.layout.grown_capacity`'s policy)."""
+        new = grown_capacity(self.capacity, needed, factor=self.config.growth_factor) if to is None else to
+        assert new >= needed, (new, needed)
         logger.warning(
             "magi_comm native: growing the symmetric receive buffer from %.1f MiB to %.1f MiB "
             "(needed %d bytes); set $%s to avoid this",

@@ -32,6 +32,7 @@ __all__ = [
     "grown_capacity",
     "region_index",
     "region_rows",
+    "reserved_capacity",
     "row_bytes",
     "to_blocks",
     "word_size",
@@ -91,11 +92,30 @@ def bytes_needed(world_size: int, field_row_bytes: tuple[int, ...], rows: int = 
     return peers * rows * sum(field_row_bytes) + _ALIGN * len(field_row_bytes)
 
 
+_MIB = 1 << 20
+
+
+def _mib_ceil(nbytes: int) -> int:
+    return (nbytes + _MIB - 1) // _MIB * _MIB
+
+
 def grown_capacity(current: int, needed: int, *, factor: float = 2.0) -> int:
     """Growth policy: at least ``needed``, at least ``factor`` x ``current``, 1 MiB aligned."""
-    target = max(needed, int(current * factor), 1)
-    mib = 1 << 20
-    return (target + mib - 1) // mib * mib
+    return _mib_ceil(max(needed, int(current * factor), 1))
+
+
+def reserved_capacity(needed: int, room: int) -> int:
+    """The capacity a reserve of ``needed`` bytes grows the buffer to: the need and an eighth
+    more, 1 MiB aligned, cut to ``room`` (what the heap leaves the buffer); 0 when the need
+    itself does not fit ``room``.
+
+    Not :func:`grown_capacity`'s doubling: a reserve knows its need, and the next plans' needs
+    differ by a few percent (each mask has its own; cp 4 128k: 782 and 801 MB), so the eighth
+    keeps them from growing it again, where growing to the first need and then doubling took
+    1492 MiB for them (docs/perf.md)."""
+    if needed > room:
+        return 0
+    return max(needed, min(_mib_ceil(needed + needed // 8), room))
 
 
 def word_size(row_bytes: int, *tensors: torch.Tensor) -> int:
