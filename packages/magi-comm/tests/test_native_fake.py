@@ -186,7 +186,9 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
     reduces = fw.reduces
     native_fake.run_ranks(fw, rank_fn)
     assert any(before == 0 for before, *_ in seen.values()), seen  # some rank needed rounds
-    grown = reserved_capacity(bytes_needed(world, (rb,), most), 512 * mib)  # half the 1 GiB heap
+    # every rank at the policy's size (half the 1 GiB heap is the room; needs this small round
+    # to the same MiB under doubling too: the policy's own tests are below)
+    grown = reserved_capacity(bytes_needed(world, (rb,), most), 512 * mib)
     assert {cap for _, _, cap, _ in seen.values()} == {grown}, seen
     for rank, (_, after, cap, now) in seen.items():
         assert after >= most and cap > mib and now == cap, (rank, seen[rank])
@@ -194,12 +196,13 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
 
 
 def test_reserve_rows_grows_by_an_eighth_within_the_heap(monkeypatch):
-    """A reserve grows the buffer to its need and an eighth: with a 160 MiB heap (80 MiB for the
-    buffer) a 48 MiB buffer takes a 60 MiB need (doubling to 96 MiB would not fit), and a need
-    within that eighth does not grow it again; one past the room is refused."""
+    """A reserve grows the buffer to its need and an eighth (a 48 MiB buffer, a 60 MiB need: 68
+    MiB, where doubling took 96), a need within that eighth does not grow it again, and one past
+    the room (the smaller of half the 256 MiB heap and the heap less the buffer and 64 MiB: 124
+    MiB then) is refused, again at a second call."""
     from magi_comm.backends.native.layout import bytes_needed, reserved_capacity
 
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "160M")
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
     mib, rb = 1 << 20, 8 << 10
     fw = native_fake.FakeWorld(2)
     seen = {}
@@ -209,14 +212,60 @@ def test_reserve_rows_grows_by_an_eighth_within_the_heap(monkeypatch):
             be.reserve_rows(60 * mib // rb, rb)
             first = be.capacity
             be.reserve_rows(66 * mib // rb, rb)  # within the eighth
-            be.reserve_rows(81 * mib // rb, rb)  # past the 80 MiB room: refused
-            seen[rank] = (first, be.capacity)
+            be.reserve_rows(125 * mib // rb, rb)  # past the room: refused
+            be.reserve_rows(125 * mib // rb, rb)  # refused again, without a collective
+            seen[rank] = (first, be.capacity, sorted(be._refused))
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)
     need = bytes_needed(2, (rb,), 60 * mib // rb)
-    assert reserved_capacity(need, 80 * mib) == 68 * mib
-    assert seen == {0: (68 * mib, 68 * mib), 1: (68 * mib, 68 * mib)}
+    assert reserved_capacity(need, 128 * mib) == 68 * mib
+    refused = [(125 * mib // rb, rb)]
+    assert seen == {0: (68 * mib, 68 * mib, refused), 1: (68 * mib, 68 * mib, refused)}
+
+
+def test_reserve_rows_leaves_room_for_the_outputs_held(monkeypatch):
+    """With a 64 MiB symmetric output held beside a 16 MiB buffer in a 256 MiB heap the room is
+    256 - 64 - 16 - 64 = 112 MiB: a 100 MiB need grows the buffer to that room, not to its
+    eighth (113 MiB), on every rank."""
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
+    mib, rb = 1 << 20, 8 << 10
+    fw = native_fake.FakeWorld(2)
+    seen = {}
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=16 * mib)) as be:
+            out = be.empty_output((64 * mib,), torch.uint8)
+            be.reserve_rows(100 * mib // rb, rb)
+            seen[rank] = be.capacity
+            be.free_output(out)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert seen == {0: 112 * mib, 1: 112 * mib}
+
+
+def test_reserve_rows_refuses_ranks_that_size_the_buffer_differently(monkeypatch):
+    """Ranks whose heaps differ would allocate different receive buffers: every rank raises,
+    before any allocation, instead."""
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
+    mib, rb = 1 << 20, 8 << 10
+    fw = native_fake.FakeWorld(2)
+    caps = {}
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=16 * mib)) as be:
+            if rank == 1:
+                be._rt.heap_bytes = 128 * mib  # room 64 MiB against rank 0's 128
+            try:
+                be.reserve_rows(60 * mib // rb, rb)
+            finally:
+                caps[rank] = be.capacity
+        native.shutdown()
+
+    with pytest.raises(RuntimeError, match="sized the receive buffer differently"):
+        native_fake.run_ranks(fw, rank_fn)
+    assert caps == {0: 16 * mib, 1: 16 * mib}
 
 
 def test_heap_size_is_read_as_nvshmem_reads_it():

@@ -88,7 +88,7 @@ class NativeBackend:
         transport = Transport(state, self.config, launches, kernels)
         self._cast = CastPath(state, transport)
         self._reduce = ReducePath(state, self.config, launches, transport, kernels)
-        self._refused: set[tuple[int, int]] = set()  # reserve_rows needs logged as too large
+        self._refused: set[tuple[int, int]] = set()  # reserve_rows needs refused (and logged)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -187,26 +187,38 @@ class NativeBackend:
         if needed <= st.capacity:
             return
         # the heap also holds the symmetric outputs (the partial buffers among them) and the
-        # signal areas, and NVSHMEM may fragment: half of it at most, and 64 MiB left beside
-        # the outputs held now
-        heap = st.rt.heap_bytes
+        # signal areas, and NVSHMEM may fragment: half of it at most, and beside the outputs held
+        # now and the buffer itself (the free space it leaves may lie between outputs) 64 MiB
+        # left; whole MiB
+        heap, mib = st.rt.heap_bytes, 1 << 20
         held = sum(end - start for start, end in st.outputs.spans.values())
-        room = min(heap // 2, heap - held - (64 << 20))
+        room = min(heap // 2, heap - held - st.capacity - 64 * mib) // mib * mib
         new = reserved_capacity(needed, room)
+        key = (rows_per_peer, row_bytes)
+        if not new and key in self._refused:
+            return  # refused before (and logged): no collective, every call of a step asks again
+        # the size is a collective's: ranks whose heaps or outputs differed would allocate
+        # different buffers, a silent corruption; a host all-reduce per growth or refusal
+        agreed = self._max_over_ranks([new, -new])
+        if agreed[0] != -agreed[1]:
+            raise RuntimeError(
+                f"reserve_rows: ranks sized the receive buffer differently ({-agreed[1]} to "
+                f"{agreed[0]} bytes; 0: refused): their symmetric heaps ($NVSHMEM_SYMMETRIC_SIZE) "
+                "or outputs differ"
+            )
         if not new:
-            if (rows_per_peer, row_bytes) not in self._refused:
-                self._refused.add((rows_per_peer, row_bytes))
-                logger.info(
-                    "magi_comm native: %d rows of %d bytes per peer would need a receive buffer of "
-                    "%.0f MiB, more than the %.0f MiB the %.0f MiB symmetric heap leaves it: such "
-                    "calls move in rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
-                    rows_per_peer,
-                    row_bytes,
-                    needed / (1 << 20),
-                    room / (1 << 20),
-                    heap / (1 << 20),
-                    ENV_BUFFER_MB,
-                )
+            self._refused.add(key)
+            logger.info(
+                "magi_comm native: %d rows of %d bytes per peer would need a receive buffer of "
+                "%.0f MiB, more than the %.0f MiB the %.0f MiB symmetric heap leaves it: such "
+                "calls move in rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
+                rows_per_peer,
+                row_bytes,
+                needed / mib,
+                room / mib,
+                heap / mib,
+                ENV_BUFFER_MB,
+            )
             return
         st.grow(needed, new)
 

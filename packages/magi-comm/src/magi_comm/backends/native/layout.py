@@ -106,8 +106,8 @@ def grown_capacity(current: int, needed: int, *, factor: float = 2.0) -> int:
 
 def reserved_capacity(needed: int, room: int) -> int:
     """The capacity a reserve of ``needed`` bytes grows the buffer to: the need and an eighth
-    more, 1 MiB aligned, cut to ``room`` (what the heap leaves the buffer); 0 when the need
-    itself does not fit ``room``.
+    more, 1 MiB aligned, cut to ``room`` (what the heap leaves the buffer, whole MiB where the
+    alignment matters); 0 when the need itself does not fit ``room``.
 
     Not :func:`grown_capacity`'s doubling: a reserve knows its need, and the next plans' needs
     differ by a few percent (each mask has its own; cp 4 128k: 782 and 801 MB), so the eighth
@@ -115,7 +115,7 @@ def reserved_capacity(needed: int, room: int) -> int:
     1492 MiB for them (docs/perf.md)."""
     if needed > room:
         return 0
-    return max(needed, min(_mib_ceil(needed + needed // 8), room))
+    return min(_mib_ceil(needed + needed // 8), room)
 
 
 def word_size(row_bytes: int, *tensors: torch.Tensor) -> int:
