@@ -33,9 +33,10 @@
 #               FWD_SPLIT=1 runs them all with MAGI_DIST_FWD_SPLIT=1 (logs named ..._fwdsplit)
 #   reduce-sweep (not in all) bench_comm --sweep-reduce: group_reduce GB/s per fused-reduction tile
 #               shape (rows x warps; NativeConfig.reduce_tile_rows / reduce_warps) at 16 and 64 MiB
-#   trace-step  (not in all) bench_dist --step --trace at degree 0, native, on 2 GPUs (MASKS,
-#               default varlen_causal; TOTALS_TRACE, default 65536), then tools/trace_summary.py
-#               over every rank's timeline: busy and idle time per stream, the largest gaps
+#   trace-step  (not in all) bench_dist --step --trace at degree 0, native, on NPROC GPUs (default
+#               2; MASKS, default varlen_causal; TOTALS_TRACE, default 65536), then
+#               tools/trace_summary.py over every rank's timeline: busy and idle time per stream,
+#               the largest gaps (the timelines stay in $out, ~0.25 MB per rank)
 #   split-ab    (not in all) the backward split against no split in turns (tools/step_ab.py) on
 #               NPROC GPUs (default 4; BWD_SPLIT_MIN_CP in magi_dist.attn sets the default), varlen
 #               causal, varlen full and causal at TOTALS
@@ -157,8 +158,9 @@ if [[ $what == switches ]]; then
 fi
 if [[ $what == trace-step ]]; then
   rm -f "$out"/dist_trace_step_*.json  # the summary reads every one left there
-  step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" $run2 tools/bench_dist.py --step \
-    --degree 0 --masks "${MASKS:-varlen_causal}" --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
+  step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" torchrun --standalone \
+    --nproc-per-node "${NPROC:-2}" tools/bench_dist.py --step --degree 0 --masks "${MASKS:-varlen_causal}" \
+    --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
   step trace_summary.log 400 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
 fi
 if [[ $what == cp-step ]]; then
