@@ -195,6 +195,25 @@ def test_reserve_rows_grows_the_buffer_to_one_round(world):
     assert fw.reduces - reduces >= world  # every rank's call ran the fused reduction
 
 
+_MIB, _RB = 1 << 20, 8 << 10  # rows of 8 KiB: a need of N MiB is N * _MIB // _RB rows
+
+
+def _reserves_in_a_256_mib_heap(monkeypatch, buffer_mib: int, body) -> dict:
+    """``{rank: body(backend, rank)}`` of 2 fake ranks whose native backends start with a
+    ``buffer_mib`` MiB receive buffer in a 256 MiB symmetric heap."""
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
+    fw = native_fake.FakeWorld(2)
+    seen = {}
+
+    def rank_fn(rank):
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=buffer_mib * _MIB)) as be:
+            seen[rank] = body(be, rank)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    return seen
+
+
 def test_reserve_rows_grows_by_an_eighth_within_the_heap(monkeypatch):
     """A reserve grows the buffer to its need and an eighth (a 48 MiB buffer, a 60 MiB need: 68
     MiB, where doubling took 96), a need within that eighth does not grow it again, and one past
@@ -202,70 +221,51 @@ def test_reserve_rows_grows_by_an_eighth_within_the_heap(monkeypatch):
     MiB then) is refused, again at a second call."""
     from magi_comm.backends.native.layout import bytes_needed, reserved_capacity
 
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
-    mib, rb = 1 << 20, 8 << 10
-    fw = native_fake.FakeWorld(2)
-    seen = {}
+    def body(be, rank):
+        be.reserve_rows(60 * _MIB // _RB, _RB)
+        first = be.capacity
+        be.reserve_rows(66 * _MIB // _RB, _RB)  # within the eighth
+        be.reserve_rows(125 * _MIB // _RB, _RB)  # past the room: refused
+        be.reserve_rows(125 * _MIB // _RB, _RB)  # refused again, without a collective
+        return first, be.capacity, sorted(be._refused)
 
-    def rank_fn(rank):
-        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=48 * mib)) as be:
-            be.reserve_rows(60 * mib // rb, rb)
-            first = be.capacity
-            be.reserve_rows(66 * mib // rb, rb)  # within the eighth
-            be.reserve_rows(125 * mib // rb, rb)  # past the room: refused
-            be.reserve_rows(125 * mib // rb, rb)  # refused again, without a collective
-            seen[rank] = (first, be.capacity, sorted(be._refused))
-        native.shutdown()
-
-    native_fake.run_ranks(fw, rank_fn)
-    need = bytes_needed(2, (rb,), 60 * mib // rb)
-    assert reserved_capacity(need, 128 * mib) == 68 * mib
-    refused = [(125 * mib // rb, rb)]
-    assert seen == {0: (68 * mib, 68 * mib, refused), 1: (68 * mib, 68 * mib, refused)}
+    seen = _reserves_in_a_256_mib_heap(monkeypatch, 48, body)
+    need = bytes_needed(2, (_RB,), 60 * _MIB // _RB)
+    assert reserved_capacity(need, 128 * _MIB) == 68 * _MIB
+    refused = [(125 * _MIB // _RB, _RB)]
+    assert seen == {0: (68 * _MIB, 68 * _MIB, refused), 1: (68 * _MIB, 68 * _MIB, refused)}
 
 
 def test_reserve_rows_leaves_room_for_the_outputs_held(monkeypatch):
     """With a 64 MiB symmetric output held beside a 16 MiB buffer in a 256 MiB heap the room is
     256 - 64 - 16 - 64 = 112 MiB: a 100 MiB need grows the buffer to that room, not to its
     eighth (113 MiB), on every rank."""
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
-    mib, rb = 1 << 20, 8 << 10
-    fw = native_fake.FakeWorld(2)
-    seen = {}
 
-    def rank_fn(rank):
-        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=16 * mib)) as be:
-            out = be.empty_output((64 * mib,), torch.uint8)
-            be.reserve_rows(100 * mib // rb, rb)
-            seen[rank] = be.capacity
-            be.free_output(out)
-        native.shutdown()
+    def body(be, rank):
+        out = be.empty_output((64 * _MIB,), torch.uint8)
+        be.reserve_rows(100 * _MIB // _RB, _RB)
+        be.free_output(out)
+        return be.capacity
 
-    native_fake.run_ranks(fw, rank_fn)
-    assert seen == {0: 112 * mib, 1: 112 * mib}
+    assert _reserves_in_a_256_mib_heap(monkeypatch, 16, body) == {0: 112 * _MIB, 1: 112 * _MIB}
 
 
 def test_reserve_rows_refuses_ranks_that_size_the_buffer_differently(monkeypatch):
     """Ranks whose heaps differ would allocate different receive buffers: every rank raises,
     before any allocation, instead."""
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "256M")
-    mib, rb = 1 << 20, 8 << 10
-    fw = native_fake.FakeWorld(2)
     caps = {}
 
-    def rank_fn(rank):
-        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=16 * mib)) as be:
-            if rank == 1:
-                be._rt.heap_bytes = 128 * mib  # room 64 MiB against rank 0's 128
-            try:
-                be.reserve_rows(60 * mib // rb, rb)
-            finally:
-                caps[rank] = be.capacity
-        native.shutdown()
+    def body(be, rank):
+        if rank == 1:
+            be._rt.heap_bytes = 128 * _MIB  # room 48 MiB against rank 0's 128
+        try:
+            be.reserve_rows(60 * _MIB // _RB, _RB)
+        finally:
+            caps[rank] = be.capacity
 
     with pytest.raises(RuntimeError, match="sized the receive buffer differently"):
-        native_fake.run_ranks(fw, rank_fn)
-    assert caps == {0: 16 * mib, 1: 16 * mib}
+        _reserves_in_a_256_mib_heap(monkeypatch, 16, body)
+    assert caps == {0: 16 * _MIB, 1: 16 * _MIB}
 
 
 def test_heap_size_is_read_as_nvshmem_reads_it():
