@@ -100,9 +100,9 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
     """Host microseconds per call (no synchronisation: the launch path only), then where they go
     (cProfile of ``iters`` calls, printed by rank 0; every rank makes the calls)."""
     import cProfile
-    import io
-    import pstats
     import time
+
+    from profile_host import print_profile
 
     for _ in range(5):
         fn()
@@ -123,10 +123,7 @@ def host_profile(fn, rank: int, iters: int = 50, top: int = 25) -> None:
     dist.barrier()
     if rank == 0:
         print(f"host path: {host:.1f} us per call", flush=True)
-        for key in ("tottime", "cumtime"):
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
-            print(buf.getvalue(), flush=True)
+        print_profile(prof, top)
 
 
 def peer_push(

@@ -76,11 +76,12 @@ step() {
   echo "-- exit $st after $((SECONDS - start))s"
 }
 part() { [[ $what == "$1" || $what == all ]]; }
-# on_gpus N LOG SECONDS ARGS...: tools/bench_dist.py ARGS on N GPUs, native comm (cp-rows, cp-step)
+# on_gpus N LOG SECONDS ARGS...: tools/bench_dist.py ARGS on N GPUs, native comm, its --trace
+# timelines into $out (cp-rows, cp-step, trace-step)
 on_gpus() {
   local n=$1 log=$2 secs=$3
   shift 3
-  step "$log" 16 "$secs" env MAGI_COMM_BACKEND=native torchrun --standalone --nproc-per-node "$n" \
+  step "$log" 16 "$secs" env MAGI_COMM_BACKEND=native OUT="$out" torchrun --standalone --nproc-per-node "$n" \
     tools/bench_dist.py "$@"
 }
 
@@ -158,8 +159,7 @@ if [[ $what == switches ]]; then
 fi
 if [[ $what == trace-step ]]; then
   rm -f "$out"/dist_trace_step_*.json  # the summary reads every one left there
-  step trace_step.log 12 300 env MAGI_COMM_BACKEND=native OUT="$out" torchrun --standalone \
-    --nproc-per-node "${NPROC:-2}" tools/bench_dist.py --step --degree 0 --masks "${MASKS:-varlen_causal}" \
+  on_gpus "${NPROC:-2}" trace_step.log 300 --step --degree 0 --masks "${MASKS:-varlen_causal}" \
     --totals ${TOTALS_TRACE:-65536} --trace --no-baselines --no-whole
   step trace_summary.log 400 60 python3 tools/trace_summary.py "$out"/dist_trace_step_*_rank*.json
 fi

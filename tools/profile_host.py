@@ -36,6 +36,12 @@ def host_profile(fn, calls: int, top: int, label: str) -> None:
     prof.disable()
     torch.cuda.synchronize()
     print(f"== {label}: host {host:.0f} us per call (unprofiled)", flush=True)
+    print_profile(prof, top)
+
+
+def print_profile(prof: cProfile.Profile, top: int) -> None:
+    """Print ``prof``'s ``top`` functions by own time, then by cumulative time (also
+    tools/bench_comm.py's ``--profile-host``)."""
     for key in ("tottime", "cumtime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(top)

@@ -14,7 +14,7 @@ import torch
 from ..._plan import CastPlan, ReducePlan
 from ...work import GroupCollectiveWork
 from .cast_path import CastPath
-from .config import ENV_BUFFER_MB, NativeConfig, unavailable
+from .config import ENV_BUFFER_MB, MIB, NativeConfig, unavailable
 from .group_state import GroupState
 from .launches import Launches
 from .layout import MAX_PEERS, bytes_needed, reserved_capacity, row_bytes
@@ -190,9 +190,9 @@ class NativeBackend:
         # signal areas, and NVSHMEM may fragment: half of it at most, and beside the outputs held
         # now and the buffer itself (the free space it leaves may lie between outputs) 64 MiB
         # left; whole MiB
-        heap, mib = st.rt.heap_bytes, 1 << 20
+        heap = st.rt.heap_bytes
         held = sum(end - start for start, end in st.outputs.spans.values())
-        room = min(heap // 2, heap - held - st.capacity - 64 * mib) // mib * mib
+        room = min(heap // 2, heap - held - st.capacity - 64 * MIB) // MIB * MIB
         new = reserved_capacity(needed, room)
         key = (rows_per_peer, row_bytes)
         if not new and key in self._refused:
@@ -214,9 +214,9 @@ class NativeBackend:
                 "calls move in rounds (a larger $NVSHMEM_SYMMETRIC_SIZE or $%s avoids them)",
                 rows_per_peer,
                 row_bytes,
-                needed / mib,
-                room / mib,
-                heap / mib,
+                needed / MIB,
+                room / MIB,
+                heap / MIB,
                 ENV_BUFFER_MB,
             )
             return

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._plan import _prefix
+from .config import MIB
 
 __all__ = [
     "MAX_PEERS",
@@ -92,11 +93,8 @@ def bytes_needed(world_size: int, field_row_bytes: tuple[int, ...], rows: int = 
     return peers * rows * sum(field_row_bytes) + _ALIGN * len(field_row_bytes)
 
 
-_MIB = 1 << 20
-
-
 def _mib_ceil(nbytes: int) -> int:
-    return (nbytes + _MIB - 1) // _MIB * _MIB
+    return (nbytes + MIB - 1) // MIB * MIB
 
 
 def grown_capacity(current: int, needed: int, *, factor: float = 2.0) -> int:
