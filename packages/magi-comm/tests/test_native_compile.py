@@ -131,6 +131,8 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert len(compiler.compiled) > 20, len(compiler.compiled)
     assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)
     assert fw.reduce_shapes == {(4, 8)}, fw.reduce_shapes
+    # on 2 ranks some reduces from symmetric inputs took one launch (its start steps compiled)
+    assert (fw.one_launch_reduces > 0) == (world == 2), fw.one_launch_reduces
 
 
 def _capture_ptx(monkeypatch) -> list[str]:
@@ -197,6 +199,31 @@ def test_copy_moves_16_byte_vectors_where_aligned(monkeypatch, src_shift):
     assert "st.global.b64" not in code, "a store of single words"
     vector_loads = code.count("ld.global.v2.b64")
     assert (vector_loads > 0) == (src_shift == 0), vector_loads
+
+
+def test_one_launch_reduction_waits_are_bounded_and_refusal_traps(monkeypatch):
+    """The one-launch reduction's start (the destination's arm, the source's READY) reads the
+    global timer and traps past the bound, and a destination that refuses pulls traps too."""
+    ptx = _capture_ptx(monkeypatch)
+    W, E, n = 2, 1024, 8
+    out = torch.zeros((n, E), dtype=torch.bfloat16)
+    term_row = torch.zeros((n, W), dtype=torch.int64)
+    words = torch.zeros(64, dtype=torch.int64)
+    hs = proto.Handshake(words.data_ptr(), words.data_ptr(), words.data_ptr(), 0)
+    start = (
+        (proto.pack_peer(), proto.pack_peer(1, 1, True)),
+        words.data_ptr(),
+        words.data_ptr(),
+        words.data_ptr(),
+    )
+    kernels.launch_reduce(
+        out, out.clone(), None, term_row, term_row.to(torch.int8), torch.ones(n, dtype=torch.int64),
+        acc_reduce=True, average=False, pull=(term_row, words.data_ptr(), words.data_ptr(), 9),
+        end=(hs, words.data_ptr(), words.data_ptr(), (proto.pack_done(),) * W, True), start=start,
+    )  # fmt: skip
+    (code,) = ptx
+    assert "%globaltimer" in code, "unbounded waits"
+    assert code.count("trap;") >= 3, code.count("trap;")  # the arm, the READY, the refusal
 
 
 def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):

@@ -711,3 +711,106 @@ def test_pull_with_ranks_switching_between_fused_and_staged(handshake):
 
     native_fake.run_ranks(fw, rank_fn)
     assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
+
+
+def _pulled_reduces(world: int, configs, symmetric, steps: int = 5, lay=None) -> native_fake.FakeWorld:
+    """``steps`` reduces of ``lay`` (default: the dense layout) on each rank through
+    ``configs[rank]``, from a symmetric input where ``symmetric[rank]`` (else a plain tensor),
+    each checked against the oracle (and the input left as it was). Returns the world (its
+    counters)."""
+    fw = native_fake.FakeWorld(world)
+    lay = lay or _dense_layout(world)
+
+    def rank_fn(rank):
+        plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
+        with NativeBackend("group", rank, world, configs[rank]) as be:
+            sym = be.empty_output((plan.num_input_rows + 1, 4), torch.float32)  # a row more: never empty
+            src = (
+                sym[: plan.num_input_rows]
+                if symmetric[rank]
+                else torch.empty_like(sym[: plan.num_input_rows])
+            )
+            for step in range(steps):
+                case = {"seed": 41, "row_shape": (4,)}
+                inputs = [
+                    lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=step)
+                    for r in range(world)
+                ]
+                src.copy_(inputs[rank])
+                old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
+                out = old.clone()
+                be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
+                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
+                assert torch.equal(src, inputs[rank])
+            be.free_output(sym)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    return fw
+
+
+def test_one_launch_pull_on_two_ranks():
+    """Two ranks reducing from symmetric inputs make each call one launch of the fused
+    reduction (its program 0 arms, awaits the arm, publishes, signals ready): every call of
+    both ranks, the rows read in place and each input's DONE awaited."""
+    cfg = NativeConfig(buffer_bytes=1 << 20)
+    fw = _pulled_reduces(2, [cfg, cfg], [True, True])
+    assert fw.one_launch_reduces == 2 * 5, fw.one_launch_reduces
+    assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
+
+
+@pytest.mark.parametrize("symmetric", [(True, False), (False, True)])
+def test_one_launch_pull_beside_a_peer_that_sends(symmetric):
+    """A rank whose input is symmetric takes one launch while its peer, whose input is plain,
+    sends its rows through the regions with the send kernel: the two protocols serve the pair
+    in every call."""
+    cfg = NativeConfig(buffer_bytes=1 << 20)
+    fw = _pulled_reduces(2, [cfg, cfg], list(symmetric))
+    assert fw.one_launch_reduces == 5, fw.one_launch_reduces
+    assert fw.pulled_rows > 0 and fw.published_maps > 0
+
+
+@pytest.mark.parametrize(
+    ("world", "flags"),
+    [
+        (2, [(True, False), (True, False)]),  # switched off on both ranks
+        (2, [(True, True), (False, True)]),  # the ranks disagree on the fused reduction
+        (2, [(True, True), (True, False)]),  # one rank off: the other still takes it
+        (3, [(True, True)] * 3),  # three ranks: never
+    ],
+)
+def test_one_launch_pull_only_where_both_ranks_fuse(world, flags):
+    """``(fused_reduce, one_launch_pull)`` per rank: one launch only on 2 ranks that agree on the
+    fused reduction, and only by a rank that has it on; every result still equals the oracle."""
+    configs = [NativeConfig(buffer_bytes=1 << 20, fused_reduce=f, one_launch_pull=o) for f, o in flags]
+    fw = _pulled_reduces(world, configs, [True] * world)
+    agreed = world == 2 and len({f for f, _ in flags}) == 1
+    want = 5 * sum(o for _, o in flags) if agreed else 0
+    assert fw.one_launch_reduces == want, (fw.one_launch_reduces, want)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "dsts", "launches"),
+    [
+        ([[2, 3], [4]], [[[0], [0]], [[1]]], 0),  # each rank's rows to itself only: no round
+        ([[3, 2], []], [[[1], [0, 1]], []], 2),  # rows one way: both ranks take one launch
+        ([[], [5]], [[], [[0]]], 2),  # the other way
+    ],
+)
+def test_one_launch_pull_needs_rows_between_the_two(sizes, dsts, launches):
+    """A call with no rows between the two ranks has no round (the reduction alone runs), so no
+    rank takes one launch there; with rows one way only, both do: the sender publishes its map
+    and signals, the receiver only arms its source and waits."""
+    lay = lib._complete(random.Random(3), 2, sizes, dsts)
+    cfg = NativeConfig(buffer_bytes=1 << 20)
+    fw = _pulled_reduces(2, [cfg, cfg], [True, True], lay=lay)
+    assert fw.one_launch_reduces == 5 * launches, fw.one_launch_reduces
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_one_launch_pull_from_env(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(native.ENV_ONE_LAUNCH_PULL, raising=False)
+    else:
+        monkeypatch.setenv(native.ENV_ONE_LAUNCH_PULL, value)
+    assert NativeConfig.from_env().one_launch_pull is on

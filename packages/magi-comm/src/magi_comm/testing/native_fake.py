@@ -76,6 +76,7 @@ class FakeWorld:
         self.direct_writes = 0  # copy-kernel launches that wrote straight into a peer's output
         self.pulled_rows = 0  # reduction terms read from a source's input (pull)
         self.published_maps = 0  # pull maps written by send launches (not header 0)
+        self.one_launch_reduces = 0  # reductions that made their call's handshake (one launch)
         self.done_waits = 0  # DONE waits of fused reductions whose input may have been pulled
         self.done_signals = 0  # DONE raised by fused reductions
         self.gathered: list = [None] * world

@@ -137,32 +137,8 @@ class CopyLaunch:
         next(steps, None)  # the end
 
     def _publish(self, pub, epochs) -> list[int]:
-        """The kernel's publish step: per destination of the table, its pull-map header (the
-        map where it accepts pulls and the table has one, else 0) into row ``rank`` of its
-        pull-map area. Returns the destinations whose rows are not sent."""
-        W = len(self.peers)
-        pub_peers, accepts, width, decided = self.publish
-        table = words_at(pub, W + 1 + int(words_at(pub, W + 1, torch.int64)[W]), torch.int64)
-        peer_rows = words_at(pub_peers, W, torch.int64).tolist()
-        accept = words_at(accepts, W, torch.int64).tolist()
-        pulled = []
-        for c in range(W):
-            mine = publish_row(table, W, c)
-            if mine.numel() == 0:
-                continue
-            assert mine.numel() <= width, "a published map is wider than a map row"
-            row = words_at(peer_rows[c] + 8 * self.handshake.rank * width, mine.numel(), torch.int64)
-            with self.world.cond:
-                if int(mine[0]) > 0 and accept[c] == proto.PULL_ACCEPT:
-                    row.copy_(mine)
-                    pulled.append(c)
-                    self.world.published_maps += 1
-                else:
-                    row[0] = 0
-                epoch = proto.unpack_peer(epochs[c])[0]
-                assert epoch > 0, "a publishing launch needs each destination's epoch"
-                words_at(decided, W, torch.int64)[c] = 2 * epoch + int(c in pulled)
-        return pulled
+        """The kernel's publish step (`publish_step`)."""
+        return publish_step(self.world, self.handshake.rank, self.publish, pub, epochs)
 
     def _progress_wanted(self, rows) -> bool:
         """The kernel's rule: report unless every destination is in direct mode."""
@@ -194,6 +170,36 @@ class CopyLaunch:
             W,
             direct,
         )
+
+
+def publish_step(world, rank: int, publish, pub: int, epochs) -> list[int]:
+    """A reduce's publish step (program 0 of its send kernel, or of a one-launch reduction):
+    per destination of the table, its pull-map header (the map where it accepts pulls and the
+    table has one, else 0) into row ``rank`` of its pull-map area, and the decision under the
+    destination's epoch. Returns the destinations whose rows are not sent."""
+    W = len(epochs)
+    pub_peers, accepts, width, decided = publish
+    table = words_at(pub, W + 1 + int(words_at(pub, W + 1, torch.int64)[W]), torch.int64)
+    peer_rows = words_at(pub_peers, W, torch.int64).tolist()
+    accept = words_at(accepts, W, torch.int64).tolist()
+    pulled = []
+    for c in range(W):
+        mine = publish_row(table, W, c)
+        if mine.numel() == 0:
+            continue
+        assert mine.numel() <= width, "a published map is wider than a map row"
+        row = words_at(peer_rows[c] + 8 * rank * width, mine.numel(), torch.int64)
+        with world.cond:
+            if int(mine[0]) > 0 and accept[c] == proto.PULL_ACCEPT:
+                row.copy_(mine)
+                pulled.append(c)
+                world.published_maps += 1
+            else:
+                row[0] = 0
+            epoch = proto.unpack_peer(epochs[c])[0]
+            assert epoch > 0, "a publishing launch needs each destination's epoch"
+            words_at(decided, W, torch.int64)[c] = 2 * epoch + int(c in pulled)
+    return pulled
 
 
 def handshake_steps(world, hs, W, sync, words):
@@ -247,6 +253,7 @@ def launch_reduce(
     waits=None,
     pull=None,
     end=None,
+    start=None,
     tile_rows=None,
     num_warps=None,
     max_programs=0,
@@ -262,6 +269,9 @@ def launch_reduce(
         assert waits is None, "a waiting reduction's grid is its waits' cap"
         with world.cond:
             world.reduce_caps.add(max_programs)
+    if start is not None:
+        assert end is not None and pull is not None and waits is None
+        _reduce_start(world, end[0], end[2], pull[3], *start)
     if waits is not None:
         need, order, sig, words, cap = waits
         assert sorted(order.tolist()) == list(range(need.shape[0]))
@@ -292,6 +302,32 @@ def launch_reduce(
         native_sim_reduce._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
     if end is not None:
         _reduce_end(world, *end)
+
+
+def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> None:
+    """A one-launch reduction's start (program 0: arms, the destinations' arms, publish,
+    READY; every program: the sources' READY)."""
+    W = len(words)
+    peers = words_at(hs.sig_peers, W, torch.int64).tolist()
+    waits = [proto.unpack_peer(w) for w in words]
+    for c, (_, _, arm_now) in enumerate(waits):
+        if arm_now:
+            world.kernel_add(peers[c] + 8 * (proto.ARM * W + hs.rank))
+    for c, (arm_wait, _, _) in enumerate(waits):
+        if arm_wait:
+            world.kernel_wait(hs.sig + 8 * (proto.ARM * W + c), arm_wait)
+    pulled = publish_step(world, hs.rank, (pub_peers, accepts, width, decided), pub, words)
+    table = words_at(pub, W + 1, torch.int64).tolist()
+    wanted = [c for c in range(W) if table[c + 1] > table[c]]
+    assert pulled == wanted, "magi_comm native: a one-launch reduce's destination does not accept pulls"
+    for c, (arm_wait, _, _) in enumerate(waits):
+        if arm_wait:
+            world.kernel_add(peers[c] + 8 * (proto.READY * W + hs.rank))
+    for c, (_, ready_wait, _) in enumerate(waits):
+        if ready_wait:
+            world.kernel_wait(hs.sig + 8 * (proto.READY * W + c), ready_wait)
+    with world.cond:
+        world.one_launch_reduces += 1
 
 
 def _reduce_end(world, hs, counter, decided, done_words, wait_done) -> None:

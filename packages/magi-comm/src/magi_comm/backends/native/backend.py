@@ -89,6 +89,7 @@ class NativeBackend:
         self._cast = CastPath(state, transport)
         self._reduce = ReducePath(state, self.config, launches, transport, kernels)
         self._refused: set[tuple[int, int]] = set()  # reserve_rows needs refused (and logged)
+        self._agreement_checked = False  # the one-launch pull's check, at the first group_reduce
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -253,6 +254,7 @@ class NativeBackend:
         for ``"lse"`` also ``input_lse`` ``(N_in, heads)`` into ``output_lse`` ``(N_out, heads)``."""
         self._check_device(input, output, input_lse, output_lse)
         self._require()
+        self._check_agreement()
         R = self._reduce.fused_rows(plan, input, row_bytes(input), reduce_op)
         if R:
             body = partial(self._reduce.fused, plan, input, output, R, reduce_op, acc_reduce)
@@ -262,6 +264,20 @@ class NativeBackend:
             )
         plain = bool(R) and input.is_contiguous() and output.is_contiguous()
         return self._run((input, output, input_lse, output_lse), body, output, async_op, torch_ops=not plain)
+
+    def _check_agreement(self) -> None:
+        """At the first group_reduce of a 2-rank group (one host all-reduce, on both ranks
+        whatever their settings): the one-launch pull (``one_launch_pull``) holds only if both
+        ranks take the fused reduction alike (``fused_reduce``), so that a rank that takes it
+        knows its peer does (docs/native.md, "One launch on 2 ranks")."""
+        if self._agreement_checked:
+            return
+        self._agreement_checked = True
+        if self.world_size != 2:
+            return
+        fused = int(self.config.fused_reduce)
+        top = self._max_over_ranks([fused, -fused])
+        self._reduce.one_launch_agreed = self.config.one_launch_pull and top[0] == -top[1]
 
     def _check_device(self, *tensors) -> None:
         dev = self._require().device

@@ -17,6 +17,7 @@ __all__ = [
     "ENV_DEVICE_HANDSHAKE",
     "ENV_FUSED_REDUCE",
     "ENV_MAX_PROGRAMS",
+    "ENV_ONE_LAUNCH_PULL",
     "ENV_OVERLAP_CHUNK_KB",
     "ENV_REDUCE_ROWS",
     "ENV_REDUCE_WARPS",
@@ -40,6 +41,7 @@ ENV_REDUCE_ROWS = "MAGI_COMM_NATIVE_REDUCE_ROWS"
 ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
 ENV_COPY_ENGINE = "MAGI_COMM_NATIVE_COPY_ENGINE"
 ENV_REDUCE_PROGRAMS = "MAGI_COMM_NATIVE_REDUCE_PROGRAMS"
+ENV_ONE_LAUNCH_PULL = "MAGI_COMM_NATIVE_ONE_LAUNCH_PULL"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
@@ -126,6 +128,12 @@ class NativeConfig:
             over its tiles; ``$MAGI_COMM_NATIVE_REDUCE_PROGRAMS``; 0, the default: one per
             tile). A knob for a reduction that runs beside a kernel (the backward beside its
             dK/dV reduce): a capped grid takes fewer of its SMs, for a longer reduction.
+        one_launch_pull: on 2 ranks, a fused group_reduce whose input is left for pulling runs
+            as one launch of the fused reduction, which arms, publishes its pull headers,
+            signals ready and awaits its source's ready itself, without the arm wait
+            (docs/native.md, "One launch on 2 ranks"): 72% -> about 82% of the raw copy at 64
+            MiB on 2x H100 (docs/perf.md). ``$MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0`` turns it off.
+            It needs ``fused_reduce`` alike on both ranks (checked at the first group_reduce).
     """
 
     buffer_bytes: int = 256 * MIB
@@ -144,6 +152,7 @@ class NativeConfig:
     reduce_warps: int = 0
     copy_engine: bool = False
     reduce_programs: int = 0
+    one_launch_pull: bool = True
 
     def __post_init__(self) -> None:
         for name in ("reduce_tile_rows", "reduce_warps"):
@@ -170,6 +179,7 @@ class NativeConfig:
                 ("fused_reduce", ENV_FUSED_REDUCE, "1"),
                 ("device_handshake", ENV_DEVICE_HANDSHAKE, "1"),
                 ("copy_engine", ENV_COPY_ENGINE, "0"),
+                ("one_launch_pull", ENV_ONE_LAUNCH_PULL, "1"),
             )
         }
         scale = {"overlap_chunk_bytes": 1024}

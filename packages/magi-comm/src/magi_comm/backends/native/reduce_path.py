@@ -19,7 +19,12 @@ from .protocol import pack_done
 from .terms import build_pull_terms, build_reduce_terms, publish_table
 from .transport import Field, Transport
 
-__all__ = ["ReducePath"]
+__all__ = ["ONE_LAUNCH_PROGRAMS", "ReducePath"]
+
+# programs of a one-launch reduction (they stride over its tiles): each acquires its source's
+# READY once; 16 per SM of an H100 measured as fast as one per tile alone and 3-4% faster in one
+# launch at 16 MiB (tools/bench_pull_floor.py, docs/perf.md)
+ONE_LAUNCH_PROGRAMS = 2048
 
 
 class ReducePath:
@@ -43,6 +48,9 @@ class ReducePath:
         self.kernels = kernels
         # the fused reduction's tile after the transfer (None: the kernel's default)
         self.shape = dict(tile_rows=config.reduce_tile_rows or None, num_warps=config.reduce_warps or None)
+        # one launch per pulled call (`one_launch`): set by the backend at its first group_reduce,
+        # once the ranks are known to agree on the fused reduction
+        self.one_launch_agreed = False
 
     def fused_rows(self, plan, input: torch.Tensor, rb: int, reduce_op: str) -> int:
         """Rows per region when the fused reduction applies to this call (``input`` has rows of
@@ -66,12 +74,16 @@ class ReducePath:
         rb, E = row_bytes(input), torch.Size(out.shape[1:]).numel()
         term_row, term_self, nterms, need, order, term_pull = self.terms(plan, R, out.device, E)
         pub, pulled = self.publish(plan, src, rb, fused=True, out=out)
+        one_launch = self.one_launch(plan, pulled)
 
-        def consume(stream, words):
+        def consume(stream, words, start=None):
             waits, shape = None, dict(self.shape, max_programs=self.config.reduce_programs)
             if words is not None:  # beside the transfer: wait for the peers' rows
                 waits = (need, order, st.sig.data_ptr(), words, self.config.max_programs or CONSUMER_PROGRAMS)
                 shape = {}  # its wait tables are cut by the default tile
+            if start is not None:  # the call's handshake in this launch (one_launch)
+                start = (start, pub, st.pull_peers.data_ptr(), st.accepts.data_ptr())
+                shape["max_programs"] = self.config.reduce_programs or ONE_LAUNCH_PROGRAMS
             end = (st.handshake, st.reduce_counter, st.pull_decided.data_ptr(), self.done_words(plan), pulled)
             self.kernels.launch_reduce(
                 out.view(out.shape[0], E),
@@ -86,13 +98,33 @@ class ReducePath:
                 waits=waits,
                 pull=(term_pull, st.pull_maps.data_ptr(), st.outputs.bases.data_ptr(), st.map_width),
                 end=end,
+                start=start,
                 **shape,
             )
 
-        self.transport.move(plan, SINK_NONE, [Field(src, src, rb)], consume=consume, pub=pub)
+        self.transport.move(
+            plan, SINK_NONE, [Field(src, src, rb)], consume=consume, pub=pub, one_launch=one_launch
+        )
         if out is not output:
             output.copy_(out)
         return (src, out)
+
+    def one_launch(self, plan, pulled: bool) -> bool:
+        """Whether this fused call runs as one launch of the reduction (docs/native.md, "One
+        launch on 2 ranks"): two ranks that agree on the fused reduction, so that the peer takes
+        it too and accepts our pulls (both count the same two pairs against the same region
+        size), rows between the two (a call without has no round: the reduction alone runs),
+        our rows for the peer, if any, left for pulling (``pulled``) with a map that fits its
+        row, the kernel handshake on and no reduction beside the transfer."""
+        st, cfg = self.state, self.config
+        if not (self.one_launch_agreed and st.world == 2):
+            return False
+        if not cfg.device_handshake or cfg.overlap_reduce:
+            return False
+        peer = 1 - st.rank
+        if not plan.send_counts[peer]:  # nothing to publish: the launch arms and waits
+            return bool(plan.recv_counts[peer])
+        return pulled and 1 + len(plan.send_split_ids[peer]) <= st.map_width
 
     def staged(
         self,

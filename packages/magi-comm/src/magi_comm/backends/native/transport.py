@@ -31,9 +31,10 @@ from .protocol import (
 
 __all__ = ["Field", "Transport"]
 
-# consume(stream, words): the fused reduction in place of the receive copies (words: the
-# sources' packed waits when it runs beside the send kernel, else None)
-Consume = Callable[[object, "tuple[int, ...] | None"], None]
+# consume(stream, words, start=None): the fused reduction in place of the receive copies (words:
+# the sources' packed waits when it runs beside the send kernel, else None; start: the call's
+# packed words when it makes the call's handshake itself, one launch)
+Consume = Callable[..., None]
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Transport:
         consume: Consume | None = None,
         maps=None,
         pub: int = 0,
+        one_launch: bool = False,
     ) -> None:
         """Move every field's rows to their sinks (enqueued on the group stream).
 
@@ -82,6 +84,8 @@ class Transport:
         cast without maps puts header 0 (rows through the regions).
         ``pub`` (group_reduce): address of the publish table the first send launch writes to the
         destinations' pull maps (:func:`~.terms.publish_table`).
+        ``one_launch`` (group_reduce, see ``ReducePath.one_launch``): ``consume`` makes the
+        call's handshake itself, no send launch (one round and one field, kernel handshake).
         """
         st = self.state
         fields = [f for f in fields if f.row_bytes > 0]
@@ -101,6 +105,14 @@ class Transport:
             for f, (off, runs) in zip(fields, per_field)
         ]
         rounds = sched.rounds
+        if one_launch:
+            if consume is None or len(rounds) != 1 or len(prepared) != 1 or not self.config.device_handshake:
+                raise AssertionError(
+                    "one launch needs the fused reduction, one round, one field, the kernel handshake"
+                )
+            words, _ = self._count_one_round(rounds[0], sink_kind, maps)
+            consume(st.stream, None, words)
+            return
         if len(rounds) == 1 and len(prepared) == 1 and self.config.device_handshake:
             self._in_kernels(rounds[0], prepared[0], sink_kind, consume, maps, pub)
         else:

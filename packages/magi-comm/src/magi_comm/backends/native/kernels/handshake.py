@@ -80,15 +80,21 @@ def _waited_too_long(start, polls, PAUSE: tl.constexpr):
 
 
 @triton.jit
+def trap():
+    """Abort the launch (compiled kernels only): the CUDA context is left in error, so the host's
+    next CUDA call on this rank raises ("unspecified launch failure")."""
+    tl.inline_asm_elementwise(
+        "trap; mov.u32 $0, 0;", "=r,r", [tl.full((), 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _give_up(PAUSE: tl.constexpr):
     """A peer's signal did not come within the bound (the peer died or stopped): end the kernel
-    with an error instead of spinning for ever. Compiled: ``trap``, which aborts the launch and
-    leaves the CUDA context in error, so the host's next CUDA call on this rank raises
-    ("unspecified launch failure"); the interpreter raises an AssertionError from the launch."""
+    with an error instead of spinning for ever. Compiled: ``trap``; the interpreter raises an
+    AssertionError from the launch."""
     if PAUSE > 0:
-        tl.inline_asm_elementwise(
-            "trap; mov.u32 $0, 0;", "=r,r", [tl.full((), 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1
-        )
+        trap()
     else:
         tl.static_assert(False, "magi_comm native: a peer's signal did not come within the wait bound")
 

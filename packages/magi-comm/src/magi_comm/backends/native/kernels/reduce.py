@@ -18,17 +18,74 @@ from .. import protocol as proto
 from ..protocol import IDLE_WORD, PEER_WORDS, Handshake
 from ..terms import PULL_ROW_MASK, PULL_SOURCE_SHIFT, PULL_SPLIT_MASK, PULL_SPLIT_SHIFT
 from .compiled import CompiledKernel
-from .handshake import PEER_ARGS, await_at_least, await_rows, peer_word, poll_pause
+from .copy import _publish, _pulled_peers
+from .handshake import PEER_ARGS, await_at_least, await_rows, peer_word, poll_pause, trap
 
 __all__ = ["REDUCE_WARPS", "launch_reduce", "reduce_tile_rows"]
 
 # jit code reads module globals only as constexprs
 DONE = tl.constexpr(proto.DONE)
+ARM = tl.constexpr(proto.ARM)
+READY = tl.constexpr(proto.READY)
 _PUB_SHIFT_SRC = tl.constexpr(PULL_SOURCE_SHIFT)
 _PUB_SHIFT_SPLIT = tl.constexpr(PULL_SPLIT_SHIFT)
 _PUB_SPLIT_MASK = tl.constexpr(PULL_SPLIT_MASK)
 _PUB_ROW_MASK = tl.constexpr(PULL_ROW_MASK)
 _DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
+_START_ARGS = ["pub", "pub_peers", "accepts"]
+
+
+@triton.jit
+def _refused(PAUSE: tl.constexpr):
+    """A destination of a one-launch call does not accept pulls (the ranks disagree on the
+    fused reduction): its rows would need a send this launch cannot make, so end with an error
+    (``trap``; the interpreter raises an AssertionError) instead of leaving it to read stale rows."""
+    if PAUSE > 0:
+        trap()
+    else:
+        tl.static_assert(False, "magi_comm native: a one-launch reduce's destination does not accept pulls")
+
+
+@triton.jit
+def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, p3, p4, p5, p6, p7,
+                  W: tl.constexpr, ME: tl.constexpr, MAPW: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
+    """The call's handshake in the reduction itself (``START``: one launch on 2 ranks): program
+    0 arms the sources flagged ``arm_now`` and waits for the destinations' arms (their earlier
+    calls are over and their accept words in place), publishes every destination's pull map
+    (each must pull: a destination that does not accept would need its rows sent, which this
+    launch cannot do, so it traps instead), records the decisions under each destination's epoch
+    and signals READY; every program then acquires each source's READY count before its first
+    tile. The words are those of the send kernel (``pack_peer``)."""
+    peers = sig_peers.to(tl.pointer_type(tl.int64))
+    slots = sig.to(tl.pointer_type(tl.int64))
+    if tl.program_id(0) == 0:
+        for c in tl.static_range(W):
+            if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
+                peer = tl.load(peers + c).to(tl.pointer_type(tl.int64))
+                tl.atomic_add(peer + ARM * W + ME, 1, sem="release", scope="sys")
+        for c in tl.static_range(W):
+            epoch = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
+            if epoch > 0:
+                await_at_least(slots + ARM * W + c, epoch, PAUSE)
+        pulled = _pulled_peers(pub, accepts, W)
+        tab = pub.to(tl.pointer_type(tl.int64))
+        wanted = tl.full((), 0, tl.int32)
+        for c in tl.static_range(W):
+            if tl.load(tab + c + 1) > tl.load(tab + c):
+                wanted = wanted | (1 << c)
+        if pulled != wanted:
+            _refused(PAUSE)
+        _publish(pub, pub_peers, decided, pulled, tl.arange(0, 16), p0, p1, p2, p3, p4, p5, p6, p7, W, ME,
+                 MAPW, 16)  # fmt: skip
+        tl.debug_barrier()  # the headers, released with the signal (cumulative over the CTA)
+        for c in tl.static_range(W):
+            if ((peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF) > 0:
+                peer = tl.load(peers + c).to(tl.pointer_type(tl.int64))
+                tl.atomic_add(peer + READY * W + ME, 1, sem="release", scope="sys")
+    for c in tl.static_range(W):
+        want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
+        if want > 0:
+            await_at_least(slots + READY * W + c, want, PAUSE)
 
 
 @triton.jit
@@ -64,7 +121,7 @@ def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7
                         await_at_least(slots + DONE * W + c, dst_epoch, PAUSE)
 
 
-@triton.jit(do_not_specialize=PEER_ARGS + _DONE_ARGS)
+@triton.jit(do_not_specialize=PEER_ARGS + _DONE_ARGS + _START_ARGS)
 def _reduce_kernel(
     out,
     inp,
@@ -100,6 +157,9 @@ def _reduce_kernel(
     counter,
     n_rows,
     E,
+    pub,
+    pub_peers,
+    accepts,
     TERMS: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -116,6 +176,7 @@ def _reduce_kernel(
     ME: tl.constexpr,
     END: tl.constexpr,
     WAIT_DONE: tl.constexpr,
+    START: tl.constexpr,
 ):
     # Tiles of BR rows x BC columns; program p takes tiles p, p + grid, ... (one tile each
     # without AWAIT). AWAIT: before a tile, wait for the peers' rows it reads (``need``:
@@ -127,6 +188,10 @@ def _reduce_kernel(
     # others from the regions; addresses become element offsets from ``region`` (a tensor
     # argument: the compiler knows its 16-byte alignment, which a pointer made from an integer
     # would lose) so that the loads stay PV-element vectors. END: the DONE step (_reduce_end).
+    # START: the arm, publish and READY steps and the wait for the sources (_reduce_start).
+    if START:
+        _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, p3, p4, p5, p6, p7,
+                      W, ME, MAPW, PAUSE)  # fmt: skip
     ncb = tl.cdiv(E, BC)
     ntiles = tl.cdiv(n_rows, BR) * ncb
     tile = tl.program_id(0)
@@ -230,6 +295,7 @@ def launch_reduce(
     waits: tuple[torch.Tensor, torch.Tensor, int, tuple[int, ...], int] | None = None,
     pull: tuple[torch.Tensor, int, int, int] | None = None,
     end: tuple[Handshake, int, int, tuple[int, ...], bool] | None = None,
+    start: tuple[tuple[int, ...], int, int, int] | None = None,
     tile_rows: int | None = None,
     num_warps: int | None = None,
     max_programs: int = 0,
@@ -263,6 +329,13 @@ def launch_reduce(
             decisions of the call's send (see :class:`~.copy.CopyLaunch`, ``publish``), ``done_words`` one :func:`~magi_comm.backends.native.protocol.pack_done`
             word per peer; ``wait_done``: our input may be read in place (wait for the
             destinations). The launch then runs even without rows.
+        start: ``(words, pub, pub_peers, accepts)``: the call's handshake in this launch (one
+            launch on 2 ranks; needs ``end`` and ``pull``, not ``waits``): ``words`` one
+            :func:`~magi_comm.backends.native.protocol.pack_peer` word per peer (as the send
+            kernel's: arm now, the destination's arm count, which is its epoch, the source's
+            READY count), ``pub`` the
+            call's publish table (every destination pulls), ``pub_peers`` the device table of
+            the peers' pull-map areas, ``accepts`` the local accept words.
         tile_rows / num_warps: the tile height (default :func:`reduce_tile_rows`; a waiting
             reduction must keep the default, its wait tables are cut by it) and the warps per
             program (default ``REDUCE_WARPS``; tools/bench_reduce_kernel.py sweeps both).
@@ -270,6 +343,8 @@ def launch_reduce(
             per tile), so that a reduction beside a kernel takes fewer SMs from it.
     """
     n_rows, E = out.shape[0], out.shape[1]
+    if start is not None and (end is None or pull is None or waits is not None):
+        raise ValueError("launch_reduce: start needs end and pull, and excludes waits")
     if waits is not None and tile_rows not in (None, reduce_tile_rows(E, True)):
         raise ValueError(f"tile_rows: a waiting reduction keeps reduce_tile_rows(E, True), got {tile_rows}")
     if (n_rows == 0 or E == 0) and end is None:
@@ -300,13 +375,16 @@ def launch_reduce(
         sig = hs.sig
     else:
         sig_peers, counter, decided, done, wait_done, me = region_addr, region_addr, region_addr, (), False, 0
+    pub, pub_peers, accepts = region_addr, region_addr, region_addr
+    if start is not None:
+        words, pub, pub_peers, accepts = start
     peer_words = (*words, *(IDLE_WORD,) * (PEER_WORDS - len(words)))
     done_words = (*done, *(IDLE_WORD,) * (PEER_WORDS - len(done)))
     args = (out, inp, region, region_addr, term_row, term_self, nterms, need, order, sig, *peer_words, *done_words,
             term_pull,
-            pull_maps, alloc_base, decided, sig_peers, counter, n_rows, E)  # fmt: skip
+            pull_maps, alloc_base, decided, sig_peers, counter, n_rows, E, pub, pub_peers, accepts)  # fmt: skip
     consts = dict(TERMS=W, BR=br, BC=bc, ACC=int(acc_reduce), AVG=int(average), ACC_DT=acc_dt,
                   W=min(W, PEER_WORDS), AWAIT=int(waits is not None), PAUSE=poll_pause(_reduce.direct), PULL=int(pull is not None),
                   PV=16 // es if rb % 16 == 0 else 1, ES=es, MAPW=mapw, ME=me, END=int(end is not None),
-                  WAIT_DONE=int(bool(wait_done)))  # fmt: skip
+                  WAIT_DONE=int(bool(wait_done)), START=int(start is not None))  # fmt: skip
     _reduce(grid, args, consts, num_warps or REDUCE_WARPS[waits is not None], stream)
