@@ -128,12 +128,13 @@ class NativeConfig:
             over its tiles; ``$MAGI_COMM_NATIVE_REDUCE_PROGRAMS``; 0, the default: one per
             tile). A knob for a reduction that runs beside a kernel (the backward beside its
             dK/dV reduce): a capped grid takes fewer of its SMs, for a longer reduction.
-        one_launch_pull: on 2 ranks, a fused group_reduce whose input is left for pulling runs
-            as one launch of the fused reduction, which arms, publishes its pull headers,
-            signals ready and awaits its source's ready itself, without the arm wait
-            (docs/native.md, "One launch on 2 ranks"): 72% -> about 82% of the raw copy at 64
-            MiB on 2x H100 (docs/perf.md). ``$MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0`` turns it off.
-            It needs ``fused_reduce`` alike on both ranks (checked at the first group_reduce).
+        one_launch_pull: on 2 ranks, a fused group_reduce whose rows for the peer are left for
+            pulling runs as one launch of the fused reduction, which arms, awaits the peer's
+            arm, publishes its pull header, signals ready and awaits the peer's ready itself
+            (docs/native.md, "One launch on 2 ranks"): 72% -> 77% of the raw copy at 64 MiB,
+            59% -> 65% at 16 MiB on 2x H100 (docs/perf.md). ``$MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0``
+            turns it off. It needs ``fused_reduce`` alike on both ranks (checked at the first
+            group_reduce).
     """
 
     buffer_bytes: int = 256 * MIB
