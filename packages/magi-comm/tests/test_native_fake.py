@@ -5,6 +5,7 @@ rounds (tiny buffer), collective growth, ready / ack signalling between concurre
 fused and staged reductions, async works, close and shutdown; results against the oracles.
 """
 
+import contextlib
 import dataclasses
 import random
 
@@ -681,55 +682,33 @@ def test_pull_with_ranks_switching_between_fused_and_staged(handshake):
     are read in place only where the receiver accepted, and no rank waits for a DONE its
     destination will not send (a sender waits only where this call's send left its rows)."""
     world = 3
-    fw = native_fake.FakeWorld(world)
-    lay = _dense_layout(world)
-    cfg = {fused: NativeConfig(buffer_bytes=1 << 20, fused_reduce=fused, device_handshake=handshake)
-           for fused in (True, False)}  # fmt: skip
-
-    def rank_fn(rank):
-        plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
-        with (
-            NativeBackend("group", rank, world, cfg[True]) as fused,
-            NativeBackend("group", rank, world, cfg[False]) as staged,
-        ):
-            src = fused.empty_output((plan.num_input_rows, 4), torch.float32)
-            for step in range(8):
-                case = {"seed": 31, "row_shape": (4,)}
-                inputs = [
-                    lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=step)
-                    for r in range(world)
-                ]
-                src.copy_(inputs[rank])
-                old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
-                out = old.clone()
-                be = fused if (step + rank) % 3 else staged  # a different mix every call
-                be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
-                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
-                assert torch.equal(src, inputs[rank])
-            fused.free_output(src)
-        native.shutdown()
-
-    native_fake.run_ranks(fw, rank_fn)
+    cfg = [NativeConfig(buffer_bytes=1 << 20, fused_reduce=fused, device_handshake=handshake)
+           for fused in (True, False)]  # fmt: skip
+    fw = _pulled_reduces(
+        world, [cfg] * world, [True] * world, steps=8, pick=lambda step, rank: int((step + rank) % 3 == 0)
+    )
     assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
 
 
-def _pulled_reduces(world: int, configs, symmetric, steps: int = 5, lay=None) -> native_fake.FakeWorld:
-    """``steps`` reduces of ``lay`` (default: the dense layout) on each rank through
-    ``configs[rank]``, from a symmetric input where ``symmetric[rank]`` (else a plain tensor),
-    each checked against the oracle (and the input left as it was). Returns the world (its
+def _pulled_reduces(
+    world: int, configs, symmetric, steps: int = 5, lay=None, pick=None
+) -> native_fake.FakeWorld:
+    """``steps`` reduces of ``lay`` (default: the dense layout) on each rank, from a symmetric
+    input where ``symmetric[rank]`` (else a plain tensor), each checked against the oracle (and
+    the input left as it was). ``configs[rank]``: that rank's config, or a list of configs, one
+    backend each, of which ``pick(step, rank)`` chooses the call's. Returns the world (its
     counters)."""
     fw = native_fake.FakeWorld(world)
     lay = lay or _dense_layout(world)
 
     def rank_fn(rank):
         plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
-        with NativeBackend("group", rank, world, configs[rank]) as be:
-            sym = be.empty_output((plan.num_input_rows + 1, 4), torch.float32)  # a row more: never empty
-            src = (
-                sym[: plan.num_input_rows]
-                if symmetric[rank]
-                else torch.empty_like(sym[: plan.num_input_rows])
-            )
+        mine = configs[rank] if isinstance(configs[rank], list) else [configs[rank]]
+        with contextlib.ExitStack() as stack:
+            backends = [stack.enter_context(NativeBackend("group", rank, world, c)) for c in mine]
+            sym = backends[0].empty_output((plan.num_input_rows + 1, 4), torch.float32)  # never empty
+            rows = sym[: plan.num_input_rows]
+            src = rows if symmetric[rank] else torch.empty_like(rows)
             for step in range(steps):
                 case = {"seed": 41, "row_shape": (4,)}
                 inputs = [
@@ -739,10 +718,11 @@ def _pulled_reduces(world: int, configs, symmetric, steps: int = 5, lay=None) ->
                 src.copy_(inputs[rank])
                 old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
                 out = old.clone()
+                be = backends[pick(step, rank) if pick else 0]
                 be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
                 assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
                 assert torch.equal(src, inputs[rank])
-            be.free_output(sym)
+            backends[0].free_output(sym)
         native.shutdown()
 
     native_fake.run_ranks(fw, rank_fn)

@@ -309,23 +309,26 @@ def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> 
     READY; every program: the sources' READY)."""
     W = len(words)
     peers = words_at(hs.sig_peers, W, torch.int64).tolist()
-    waits = [proto.unpack_peer(w) for w in words]
-    for c, (_, _, arm_now) in enumerate(waits):
-        if arm_now:
-            world.kernel_add(peers[c] + 8 * (proto.ARM * W + hs.rank))
-    for c, (arm_wait, _, _) in enumerate(waits):
-        if arm_wait:
-            world.kernel_wait(hs.sig + 8 * (proto.ARM * W + c), arm_wait)
+    arm_wait, ready_wait, arm_now = zip(*(proto.unpack_peer(w) for w in words))
+
+    def add(kind: int, to: list) -> None:  # 1 to slot (kind, rank) of every peer flagged
+        for c in range(W):
+            if to[c]:
+                world.kernel_add(peers[c] + 8 * (kind * W + hs.rank))
+
+    def wait(kind: int, counts: tuple) -> None:  # every peer's slot (kind, c) to its count
+        for c in range(W):
+            if counts[c]:
+                world.kernel_wait(hs.sig + 8 * (kind * W + c), counts[c])
+
+    add(proto.ARM, list(arm_now))
+    wait(proto.ARM, arm_wait)
     pulled = publish_step(world, hs.rank, (pub_peers, accepts, width, decided), pub, words)
     table = words_at(pub, W + 1, torch.int64).tolist()
     wanted = [c for c in range(W) if table[c + 1] > table[c]]
     assert pulled == wanted, "magi_comm native: a one-launch reduce's destination does not accept pulls"
-    for c, (arm_wait, _, _) in enumerate(waits):
-        if arm_wait:
-            world.kernel_add(peers[c] + 8 * (proto.READY * W + hs.rank))
-    for c, (_, ready_wait, _) in enumerate(waits):
-        if ready_wait:
-            world.kernel_wait(hs.sig + 8 * (proto.READY * W + c), ready_wait)
+    add(proto.READY, list(arm_wait))
+    wait(proto.READY, ready_wait)
     with world.cond:
         world.one_launch_reduces += 1
 

@@ -140,6 +140,14 @@ def await_at_least(ptr, value, PAUSE: tl.constexpr):
 
 
 @triton.jit
+def add_to_peer(sig_peers, c: tl.constexpr, KIND: tl.constexpr, W: tl.constexpr, ME: tl.constexpr):
+    """Add 1 to slot ``(KIND, ME)`` of peer ``c``'s signal array (system-scope release: this
+    program's earlier stores, and the CTA's before a barrier, are visible first)."""
+    peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
+    tl.atomic_add(peer + KIND * W + ME, 1, sem="release", scope="sys")
+
+
+@triton.jit
 def handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.constexpr, ME: tl.constexpr,
                      HS_ARM: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The send kernel's start (``HS_ARM``): program 0 adds 1 to ``ARM`` slot ``ME`` on every
@@ -150,8 +158,7 @@ def handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.conste
         if tl.program_id(0) == 0:
             for c in tl.static_range(W):
                 if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
-                    peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
-                    tl.atomic_add(peer + ARM * W + ME, 1, sem="release", scope="sys")
+                    add_to_peer(sig_peers, c, ARM, W, ME)
         for c in tl.static_range(W):
             want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
             if want > 0:
@@ -175,10 +182,7 @@ def handshake_end(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, counter, W: tl
             if HS_READY:
                 for c in tl.static_range(W):
                     if ((peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF) > 0:
-                        peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(
-                            tl.pointer_type(tl.int64)
-                        )
-                        tl.atomic_add(peer + READY * W + ME, 1, sem="release", scope="sys")
+                        add_to_peer(sig_peers, c, READY, W, ME)
             if HS_WAIT_END:
                 slots = sig.to(tl.pointer_type(tl.int64))
                 for c in tl.static_range(W):

@@ -19,7 +19,7 @@ from ..protocol import IDLE_WORD, PEER_WORDS, Handshake
 from ..terms import PULL_ROW_MASK, PULL_SOURCE_SHIFT, PULL_SPLIT_MASK, PULL_SPLIT_SHIFT
 from .compiled import CompiledKernel
 from .copy import _publish, _pulled_peers
-from .handshake import PEER_ARGS, await_at_least, await_rows, peer_word, poll_pause, trap
+from .handshake import PEER_ARGS, add_to_peer, await_at_least, await_rows, peer_word, poll_pause, trap
 
 __all__ = ["REDUCE_WARPS", "launch_reduce", "reduce_tile_rows"]
 
@@ -56,13 +56,11 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     launch cannot do, so it traps instead), records the decisions under each destination's epoch
     and signals READY; every program then acquires each source's READY count before its first
     tile. The words are those of the send kernel (``pack_peer``)."""
-    peers = sig_peers.to(tl.pointer_type(tl.int64))
     slots = sig.to(tl.pointer_type(tl.int64))
     if tl.program_id(0) == 0:
         for c in tl.static_range(W):
             if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
-                peer = tl.load(peers + c).to(tl.pointer_type(tl.int64))
-                tl.atomic_add(peer + ARM * W + ME, 1, sem="release", scope="sys")
+                add_to_peer(sig_peers, c, ARM, W, ME)
         for c in tl.static_range(W):
             epoch = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
             if epoch > 0:
@@ -80,8 +78,7 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
         tl.debug_barrier()  # the headers, released with the signal (cumulative over the CTA)
         for c in tl.static_range(W):
             if ((peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF) > 0:
-                peer = tl.load(peers + c).to(tl.pointer_type(tl.int64))
-                tl.atomic_add(peer + READY * W + ME, 1, sem="release", scope="sys")
+                add_to_peer(sig_peers, c, READY, W, ME)
     for c in tl.static_range(W):
         want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
         if want > 0:
