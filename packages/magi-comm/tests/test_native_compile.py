@@ -201,9 +201,10 @@ def test_copy_moves_16_byte_vectors_where_aligned(monkeypatch, src_shift):
     assert (vector_loads > 0) == (src_shift == 0), vector_loads
 
 
-def test_one_launch_reduction_waits_are_bounded_and_refusal_traps(monkeypatch):
+def test_one_launch_reduction_waits_are_bounded(monkeypatch):
     """The one-launch reduction's start (the destination's arm, the source's READY) reads the
-    global timer and traps past the bound, and a destination that refuses pulls traps too."""
+    global timer and traps past the bound: the start adds traps to the reduction it begins (the
+    refusal's trap is among them; the fake world checks when it fires)."""
     ptx = _capture_ptx(monkeypatch)
     W, E, n = 2, 1024, 8
     out = torch.zeros((n, E), dtype=torch.bfloat16)
@@ -216,14 +217,17 @@ def test_one_launch_reduction_waits_are_bounded_and_refusal_traps(monkeypatch):
         words.data_ptr(),
         words.data_ptr(),
     )
-    kernels.launch_reduce(
-        out, out.clone(), None, term_row, term_row.to(torch.int8), torch.ones(n, dtype=torch.int64),
-        acc_reduce=True, average=False, pull=(term_row, words.data_ptr(), words.data_ptr(), 9),
-        end=(hs, words.data_ptr(), words.data_ptr(), (proto.pack_done(),) * W, True), start=start,
-    )  # fmt: skip
-    (code,) = ptx
-    assert "%globaltimer" in code, "unbounded waits"
-    assert code.count("trap;") >= 3, code.count("trap;")  # the arm, the READY, the refusal
+    for one_launch in (False, True):
+        kernels.launch_reduce(
+            out, out.clone(), None, term_row, term_row.to(torch.int8), torch.ones(n, dtype=torch.int64),
+            acc_reduce=True, average=False, pull=(term_row, words.data_ptr(), words.data_ptr(), 9),
+            end=(hs, words.data_ptr(), words.data_ptr(), (proto.pack_done(),) * W, True),
+            start=start if one_launch else None,
+        )  # fmt: skip
+    plain, started = ptx
+    assert "%globaltimer" in started, "unbounded waits"
+    # the arm wait, the READY wait and the refusal, each at least once
+    assert started.count("trap;") >= plain.count("trap;") + 3, (plain.count("trap;"), started.count("trap;"))
 
 
 def test_waits_for_peers_are_bounded_by_the_global_timer(monkeypatch):

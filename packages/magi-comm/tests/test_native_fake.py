@@ -674,20 +674,41 @@ def test_backend_builds_copy_launches_with_the_configured_cap():
     assert fw.copy_program_caps == {7}
 
 
-@pytest.mark.parametrize("handshake", [True, False])
-def test_pull_with_ranks_switching_between_fused_and_staged(handshake):
+@pytest.mark.parametrize(("world", "handshake"), [(3, True), (3, False), (2, True)])
+def test_pull_with_ranks_switching_between_fused_and_staged(world, handshake):
     """Reduces from symmetric inputs where each rank takes the fused reduction (accepts pulls,
     reads peers' inputs in place) or the staged one (does not accept) by its own choice, and
     switches from call to call: every result equals the oracle, inputs stay untouched, rows
     are read in place only where the receiver accepted, and no rank waits for a DONE its
-    destination will not send (a sender waits only where this call's send left its rows)."""
-    world = 3
+    destination will not send (a sender waits only where this call's send left its rows). On
+    2 ranks the staged backend turns one launch off on both (no collective per call, no hang)."""
     cfg = [NativeConfig(buffer_bytes=1 << 20, fused_reduce=fused, device_handshake=handshake)
            for fused in (True, False)]  # fmt: skip
     fw = _pulled_reduces(
         world, [cfg] * world, [True] * world, steps=8, pick=lambda step, rank: int((step + rank) % 3 == 0)
     )
     assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
+    assert fw.one_launch_reduces == 0, fw.one_launch_reduces
+
+
+def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
+    """A rank that takes one launch while its peer's call is staged (the ranks made to believe
+    they reduce alike) stops with an error naming the refusal: it cannot send the rows the peer
+    waits for, and reading stale rows is not an option."""
+    monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)  # the staged peer's wait gives up sooner
+    monkeypatch.setattr(
+        NativeBackend,
+        "_agree_on_fused_reduce",
+        lambda self, state, created: setattr(state, "fused_alike", True),
+    )
+    configs = [NativeConfig(buffer_bytes=1 << 20), NativeConfig(buffer_bytes=1 << 20, fused_reduce=False)]
+    with pytest.raises(BaseException) as info:  # the refusal, or the teardown on top of it
+        _pulled_reduces(2, configs, [True, True], steps=1)
+    chain, err = [], info.value
+    while err is not None:  # the backends' teardown may raise on top of it (a broken barrier)
+        chain.append(f"{type(err).__name__}: {err}")
+        err = err.__context__
+    assert any("does not accept pulls" in m for m in chain), chain
 
 
 def _pulled_reduces(

@@ -79,17 +79,18 @@ class NativeBackend:
         rt = Runtime.acquire(platform, group, rank, world_size, self.config)
         with platform.lock:
             state = rt.states.get(rt.members)
+            created = state is None
             if state is None:
                 state = rt.states[rt.members] = GroupState(rt, self.config)
             state.refcount += 1
         self._rt = rt
         self._state: GroupState | None = state
+        self._agree_on_fused_reduce(state, created)
         launches = Launches(state, self.config, kernels)
         transport = Transport(state, self.config, launches, kernels)
         self._cast = CastPath(state, transport)
         self._reduce = ReducePath(state, self.config, launches, transport, kernels)
         self._refused: set[tuple[int, int]] = set()  # reserve_rows needs refused (and logged)
-        self._agreement_checked = False  # the one-launch pull's check, at the first group_reduce
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -254,7 +255,6 @@ class NativeBackend:
         for ``"lse"`` also ``input_lse`` ``(N_in, heads)`` into ``output_lse`` ``(N_out, heads)``."""
         self._check_device(input, output, input_lse, output_lse)
         self._require()
-        self._check_agreement()
         R = self._reduce.fused_rows(plan, input, row_bytes(input), reduce_op)
         if R:
             body = partial(self._reduce.fused, plan, input, output, R, reduce_op, acc_reduce)
@@ -265,19 +265,23 @@ class NativeBackend:
         plain = bool(R) and input.is_contiguous() and output.is_contiguous()
         return self._run((input, output, input_lse, output_lse), body, output, async_op, torch_ops=not plain)
 
-    def _check_agreement(self) -> None:
-        """At the first group_reduce of a 2-rank group (one host all-reduce, on both ranks
-        whatever their settings): the one-launch pull (``one_launch_pull``) holds only if both
-        ranks take the fused reduction alike (``fused_reduce``), so that a rank that takes it
-        knows its peer does (docs/native.md, "One launch on 2 ranks")."""
-        if self._agreement_checked:
-            return
-        self._agreement_checked = True
+    def _agree_on_fused_reduce(self, state: GroupState, created: bool) -> None:
+        """Whether this rank's reduces on a 2-rank group may take one launch (``state.fused_alike``,
+        read by ``ReducePath.one_launch``): only where both ranks take the fused reduction alike,
+        so that a rank that takes it knows its peer accepts pulls (docs/native.md, "One launch on
+        2 ranks"). The backend that creates the group's state (a collective construction: its
+        symmetric memory) compares ``fused_reduce`` over the ranks (one host all-reduce); a later
+        backend of the group whose ``fused_reduce`` differs from it turns one launch off on this
+        rank (no collective: a program that creates its backends alike on every rank turns it
+        off everywhere)."""
         if self.world_size != 2:
             return
         fused = int(self.config.fused_reduce)
-        top = self._max_over_ranks([fused, -fused])
-        self._reduce.one_launch_agreed = self.config.one_launch_pull and top[0] == -top[1]
+        if created:
+            top = self._max_over_ranks([fused, -fused])
+            state.fused_alike = bool(fused) and top[0] == -top[1]
+        elif bool(fused) != state.config.fused_reduce:
+            state.fused_alike = False
 
     def _check_device(self, *tensors) -> None:
         dev = self._require().device

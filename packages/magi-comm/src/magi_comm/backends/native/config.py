@@ -133,8 +133,8 @@ class NativeConfig:
             arm, publishes its pull header, signals ready and awaits the peer's ready itself
             (docs/native.md, "One launch on 2 ranks"): 72% -> 77% of the raw copy at 64 MiB,
             59% -> 65% at 16 MiB on 2x H100 (docs/perf.md). ``$MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0``
-            turns it off. It needs ``fused_reduce`` alike on both ranks (checked at the first
-            group_reduce).
+            turns it off. It needs ``fused_reduce`` alike on both ranks, in every backend of the
+            group (compared when the group is set up).
     """
 
     buffer_bytes: int = 256 * MIB

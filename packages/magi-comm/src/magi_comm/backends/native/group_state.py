@@ -88,6 +88,9 @@ class GroupState:
         self.rank, self.world = rt.rank, rt.world
         self.config = config
         self.refcount = 0
+        # on 2 ranks: every backend of the group takes the fused reduction alike on both ranks
+        # (NativeBackend._agree_on_fused_reduce; ReducePath.one_launch reads it)
+        self.fused_alike = False
         self.device = rt.platform.device(rt.device)
         self.stream = self.cuda.Stream(self.device, priority=config.stream_priority)
         W = self.world

@@ -48,9 +48,6 @@ class ReducePath:
         self.kernels = kernels
         # the fused reduction's tile after the transfer (None: the kernel's default)
         self.shape = dict(tile_rows=config.reduce_tile_rows or None, num_warps=config.reduce_warps or None)
-        # one launch per pulled call (`one_launch`): set by the backend at its first group_reduce,
-        # once the ranks are known to agree on the fused reduction
-        self.one_launch_agreed = False
 
     def fused_rows(self, plan, input: torch.Tensor, rb: int, reduce_op: str) -> int:
         """Rows per region when the fused reduction applies to this call (``input`` has rows of
@@ -111,13 +108,14 @@ class ReducePath:
 
     def one_launch(self, plan, pulled: bool) -> bool:
         """Whether this fused call runs as one launch of the reduction (docs/native.md, "One
-        launch on 2 ranks"): two ranks that agree on the fused reduction, so that the peer takes
-        it too and accepts our pulls (both count the same two pairs against the same region
-        size), rows between the two (a call without has no round: the reduction alone runs),
+        launch on 2 ranks"): ``one_launch_pull``, two ranks whose backends take the fused
+        reduction alike (``GroupState.fused_alike``), so that the peer takes it too and accepts
+        our pulls (both count the same two pairs against the same region size), rows between
+        the two (a call without has no round: the reduction alone runs),
         our rows for the peer, if any, left for pulling (``pulled``) with a map that fits its
         row, the kernel handshake on and no reduction beside the transfer."""
         st, cfg = self.state, self.config
-        if not (self.one_launch_agreed and st.world == 2):
+        if not (cfg.one_launch_pull and st.fused_alike and st.world == 2):
             return False
         if not cfg.device_handshake or cfg.overlap_reduce:
             return False
