@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|split-ab|copy-engine
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|split-ab|copy-engine|one-launch|pulled-step
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -45,6 +45,13 @@
 #               it once), the step in turns with the split backward off and on (tools/step_ab.py,
 #               --profile; varlen causal and varlen full, TOTALS) on NPROC GPUs (default 2), and
 #               bench_comm's rows at 16 and 64 MiB on 2 GPUs
+#   one-launch  (not in all) the 2-rank pulled reduce in one launch (magi-comm native.md, "One
+#               launch on 2 ranks"): gpu_native_check.py, then bench_comm at 16 and 64 MiB per
+#               grid of the one-launch reduction (MAGI_COMM_NATIVE_REDUCE_PROGRAMS: 0 = its
+#               default, 1000000 = a program per tile, 8192, 1024) and with one launch off
+#   pulled-step (not in all) the cp 2 step with pulled partials (their reduce in one launch)
+#               against plain ones in turns (tools/step_ab.py, MAGI_DIST_SYMMETRIC_PARTIALS_MB=4096;
+#               varlen causal and varlen full, TOTALS)
 # The benchmark parts loop over COMMS (default "a2av native"), DEGREES ("0 2", forward) and TOTALS
 # ("65536 131072"); narrow them to keep one call under the device's 10 minutes, e.g.
 #   COMMS=native TOTALS=131072 bash tools/gpu_multi.sh bench-step
@@ -193,6 +200,20 @@ if [[ $what == split-ab ]]; then
       --setting nosplit:MAGI_DIST_BWD_SPLIT=0 --masks varlen_causal,varlen_full,causal --totals $TOTALS \
       --rounds 6 --iters 6
   fi
+fi
+if [[ $what == one-launch ]]; then
+  step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
+  for p in 0 1000000 8192 1024; do
+    step "bench_comm_programs$p.log" 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=$p $run2 tools/bench_comm.py \
+      --sizes 16,64
+  done
+  step bench_comm_three_launches.log 10 200 env MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0 $run2 tools/bench_comm.py \
+    --sizes 16,64
+fi
+if [[ $what == pulled-step ]]; then
+  step step_ab_pulled_cp2.log 40 420 env MAGI_COMM_BACKEND=native NVSHMEM_SYMMETRIC_SIZE=8G $run2 tools/step_ab.py \
+    --setting plain --setting pulled:MAGI_DIST_SYMMETRIC_PARTIALS_MB=4096 --masks varlen_causal,varlen_full \
+    --totals $TOTALS --rounds 6 --iters 6
 fi
 if [[ $what == reduce-sweep ]]; then
   step bench_reduce_sweep.log 16 420 $run2 tools/bench_comm.py --sizes 16,64 \
