@@ -361,16 +361,23 @@ def test_overlap_chunk_from_env(monkeypatch):
         assert native.ENV_OVERLAP_CHUNK_KB in str(info.value)
 
 
-@pytest.mark.parametrize(
-    ("value", "on"), [(None, False), ("1", True), ("0", False), ("off", False), ("yes", True)]
-)
-def test_copy_engine_from_env(monkeypatch, value, on):
-    """$MAGI_COMM_NATIVE_COPY_ENGINE: off unless set to something other than 0 / false / no / off."""
+_SWITCHES = [  # (variable, NativeConfig field, value or None for unset, the field's value)
+    *[("ENV_COPY_ENGINE", "copy_engine", v, on) for v, on in
+      ((None, False), ("1", True), ("0", False), ("off", False), ("yes", True))],
+    *[("ENV_ONE_LAUNCH_PULL", "one_launch_pull", v, on) for v, on in
+      ((None, True), ("1", True), ("0", False), ("off", False))],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("env", "field", "value", "on"), _SWITCHES)
+def test_switches_from_env(monkeypatch, env, field, value, on):
+    """$MAGI_COMM_NATIVE_COPY_ENGINE (off unless set to something other than 0 / false / no /
+    off) and $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL (on unless set to one of those)."""
     if value is None:
-        monkeypatch.delenv(native.ENV_COPY_ENGINE, raising=False)
+        monkeypatch.delenv(getattr(native, env), raising=False)
     else:
-        monkeypatch.setenv(native.ENV_COPY_ENGINE, value)
-    assert NativeConfig.from_env().copy_engine is on
+        monkeypatch.setenv(getattr(native, env), value)
+    assert getattr(NativeConfig.from_env(), field) is on
 
 
 def test_reduce_programs_cap_the_fused_reduction(monkeypatch):
@@ -806,12 +813,3 @@ def test_one_launch_pull_needs_rows_between_the_two(sizes, dsts, launches):
     cfg = NativeConfig(buffer_bytes=1 << 20)
     fw = _pulled_reduces(2, [cfg, cfg], [True, True], lay=lay)
     assert fw.one_launch_reduces == 5 * launches, fw.one_launch_reduces
-
-
-@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), ("off", False)])
-def test_one_launch_pull_from_env(monkeypatch, value, on):
-    if value is None:
-        monkeypatch.delenv(native.ENV_ONE_LAUNCH_PULL, raising=False)
-    else:
-        monkeypatch.setenv(native.ENV_ONE_LAUNCH_PULL, value)
-    assert NativeConfig.from_env().one_launch_pull is on

@@ -305,30 +305,16 @@ def launch_reduce(
 
 
 def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> None:
-    """A one-launch reduction's start (program 0: arms, the destinations' arms, publish,
-    READY; every program: the sources' READY)."""
+    """A one-launch reduction's start: the send kernel's handshake (`handshake_steps`: arms and
+    the destinations' arms, then READY and the sources' READY) around its publish step."""
     W = len(words)
-    peers = words_at(hs.sig_peers, W, torch.int64).tolist()
-    arm_wait, ready_wait, arm_now = zip(*(proto.unpack_peer(w) for w in words))
-
-    def add(kind: int, to: list) -> None:  # 1 to slot (kind, rank) of every peer flagged
-        for c in range(W):
-            if to[c]:
-                world.kernel_add(peers[c] + 8 * (kind * W + hs.rank))
-
-    def wait(kind: int, counts: tuple) -> None:  # every peer's slot (kind, c) to its count
-        for c in range(W):
-            if counts[c]:
-                world.kernel_wait(hs.sig + 8 * (kind * W + c), counts[c])
-
-    add(proto.ARM, list(arm_now))
-    wait(proto.ARM, arm_wait)
+    steps = handshake_steps(world, hs, W, proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END, words)
+    next(steps)
     pulled = publish_step(world, hs.rank, (pub_peers, accepts, width, decided), pub, words)
     table = words_at(pub, W + 1, torch.int64).tolist()
     wanted = [c for c in range(W) if table[c + 1] > table[c]]
     assert pulled == wanted, "magi_comm native: a one-launch reduce's destination does not accept pulls"
-    add(proto.READY, list(arm_wait))
-    wait(proto.READY, ready_wait)
+    next(steps, None)
     with world.cond:
         world.one_launch_reduces += 1
 

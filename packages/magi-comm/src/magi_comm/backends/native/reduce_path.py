@@ -22,8 +22,9 @@ from .transport import Field, Transport
 __all__ = ["ONE_LAUNCH_PROGRAMS", "ReducePath"]
 
 # programs of a one-launch reduction (they stride over its tiles): each acquires its source's
-# READY once; 16 per SM of an H100 measured as fast as one per tile alone and 3-4% faster in one
-# launch at 16 MiB (tools/bench_pull_floor.py, docs/perf.md)
+# READY once. Taken from tools/bench_pull_floor.py's plain pull + add on 2x H100 (2112 programs:
+# level with one per tile alone, 3-4% faster in one launch at 16 MiB; docs/perf.md); not swept
+# for the fused reduction itself (`gpu_multi.sh one-launch` does)
 ONE_LAUNCH_PROGRAMS = 2048
 
 
@@ -108,12 +109,12 @@ class ReducePath:
 
     def one_launch(self, plan, pulled: bool) -> bool:
         """Whether this fused call runs as one launch of the reduction (docs/native.md, "One
-        launch on 2 ranks"): ``one_launch_pull``, two ranks whose backends take the fused
+        launch on 2 ranks"): ``one_launch_pull``; two ranks whose backends take the fused
         reduction alike (``GroupState.fused_alike``), so that the peer takes it too and accepts
-        our pulls (both count the same two pairs against the same region size), rows between
-        the two (a call without has no round: the reduction alone runs),
-        our rows for the peer, if any, left for pulling (``pulled``) with a map that fits its
-        row, the kernel handshake on and no reduction beside the transfer."""
+        our pulls (both count the same two pairs against the same region size); rows between
+        the two (a call without has no round: the reduction alone runs); our rows for the peer,
+        if any, left for pulling (``pulled``) with a map that fits its row; the kernel handshake
+        on and no reduction beside the transfer."""
         st, cfg = self.state, self.config
         if not (cfg.one_launch_pull and st.fused_alike and st.world == 2):
             return False

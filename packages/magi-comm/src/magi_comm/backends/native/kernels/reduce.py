@@ -19,13 +19,21 @@ from ..protocol import IDLE_WORD, PEER_WORDS, Handshake
 from ..terms import PULL_ROW_MASK, PULL_SOURCE_SHIFT, PULL_SPLIT_MASK, PULL_SPLIT_SHIFT
 from .compiled import CompiledKernel
 from .copy import _publish, _pulled_peers
-from .handshake import PEER_ARGS, add_to_peer, await_at_least, await_rows, peer_word, poll_pause, trap
+from .handshake import (
+    PEER_ARGS,
+    add_to_peer,
+    await_at_least,
+    await_rows,
+    handshake_start,
+    peer_word,
+    poll_pause,
+    trap,
+)
 
 __all__ = ["REDUCE_WARPS", "launch_reduce", "reduce_tile_rows"]
 
 # jit code reads module globals only as constexprs
 DONE = tl.constexpr(proto.DONE)
-ARM = tl.constexpr(proto.ARM)
 READY = tl.constexpr(proto.READY)
 _PUB_SHIFT_SRC = tl.constexpr(PULL_SOURCE_SHIFT)
 _PUB_SHIFT_SPLIT = tl.constexpr(PULL_SPLIT_SHIFT)
@@ -56,15 +64,9 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     launch cannot do, so it traps instead), records the decisions under each destination's epoch
     and signals READY; every program then acquires each source's READY count before its first
     tile. The words are those of the send kernel (``pack_peer``)."""
-    slots = sig.to(tl.pointer_type(tl.int64))
     if tl.program_id(0) == 0:
-        for c in tl.static_range(W):
-            if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
-                add_to_peer(sig_peers, c, ARM, W, ME)
-        for c in tl.static_range(W):
-            epoch = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF
-            if epoch > 0:
-                await_at_least(slots + ARM * W + c, epoch, PAUSE)
+        # the send kernel's start, in this program alone: arm, then the destinations' arms
+        handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, 1, PAUSE)
         pulled = _pulled_peers(pub, accepts, W)
         tab = pub.to(tl.pointer_type(tl.int64))
         wanted = tl.full((), 0, tl.int32)
@@ -79,6 +81,7 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
         for c in tl.static_range(W):
             if ((peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 32) & 0x3FFFFFFF) > 0:
                 add_to_peer(sig_peers, c, READY, W, ME)
+    slots = sig.to(tl.pointer_type(tl.int64))
     for c in tl.static_range(W):
         want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
         if want > 0:
@@ -330,9 +333,9 @@ def launch_reduce(
             launch on 2 ranks; needs ``end`` and ``pull``, not ``waits``): ``words`` one
             :func:`~magi_comm.backends.native.protocol.pack_peer` word per peer (as the send
             kernel's: arm now, the destination's arm count, which is its epoch, the source's
-            READY count), ``pub`` the
-            call's publish table (every destination pulls), ``pub_peers`` the device table of
-            the peers' pull-map areas, ``accepts`` the local accept words.
+            READY count), ``pub`` the call's publish table (every destination pulls),
+            ``pub_peers`` the device table of the peers' pull-map areas, ``accepts`` the local
+            accept words.
         tile_rows / num_warps: the tile height (default :func:`reduce_tile_rows`; a waiting
             reduction must keep the default, its wait tables are cut by it) and the warps per
             program (default ``REDUCE_WARPS``; tools/bench_reduce_kernel.py sweeps both).
