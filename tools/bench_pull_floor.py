@@ -134,6 +134,20 @@ def _memops():
     return write, wait
 
 
+def flag_words(st, peer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ours, the peer's)``: the int32 flag words in the symmetric buffer, at ``FLAGS_AT``."""
+    return tuple(t[FLAGS_AT : FLAGS_AT + 64].view(torch.int32) for t in (st.buf, st.peers[peer]))
+
+
+def reset(flags: torch.Tensor) -> None:
+    """Zero our flag words with both ranks idle: no signal of an earlier run reaches the next."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    flags.zero_()
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def round_trips(flags: torch.Tensor, peer_flags: torch.Tensor, rank: int, timed, log) -> None:
     """Signal round trips: stream memory operations, a kernel each way, one looping kernel."""
     write, wait = _memops()
@@ -152,19 +166,12 @@ def round_trips(flags: torch.Tensor, peer_flags: torch.Tensor, rank: int, timed,
 
     for name, fn in (("stream memops", memop), ("a kernel each way", kernels)):
         count[0] = 0
-        flags.zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
+        reset(flags)
         log(f"round trip, {name}: {timed(fn, 200, 3, True) * 1e6:6.2f} us")
-        torch.cuda.synchronize()
-        dist.barrier()
     iters = 10000
-    for warm in (True, False):  # the first launch compiles: its ranks start apart
-        flags.zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
-        if warm:
-            ping_pong[(1,)](flags[2:], peer_flags[2:], 10, FIRST=rank == 0)
+    reset(flags)
+    ping_pong[(1,)](flags[2:], peer_flags[2:], 10, FIRST=rank == 0)  # compiles: the ranks start apart
+    reset(flags)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     ping_pong[(1,)](flags[2:], peer_flags[2:], iters, FIRST=rank == 0)
@@ -179,8 +186,7 @@ def pull_rows(mib: int, st, peer: int, dev, timed, log) -> None:
     n = mib * MIB // 2
     inp = st.buf[: n * 2].view(torch.bfloat16)
     peer_in = st.peers[peer][: n * 2].view(torch.bfloat16)
-    flags = st.buf[FLAGS_AT : FLAGS_AT + 64].view(torch.int32)
-    peer_flags = st.peers[peer][FLAGS_AT : FLAGS_AT + 64].view(torch.int32)
+    flags, peer_flags = flag_words(st, peer)
     gen = torch.Generator(device=dev).manual_seed(1234 + mib)
     inp.copy_(torch.randn(n, device=dev, generator=gen).to(torch.bfloat16))
     own = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16)
@@ -215,9 +221,7 @@ def pull_rows(mib: int, st, peer: int, dev, timed, log) -> None:
             programs = grid or triton.cdiv(n, block)
             call = launcher(block, warps, programs, protocol)
             epoch[0] = 0
-            flags.zero_()
-            torch.cuda.synchronize()
-            dist.barrier()
+            reset(flags)
             what = "one launch: READY, pull + add, DONE" if protocol else "pull + add alone"
             row(f"{what} ({block} x {warps} warps, grid {programs})", timed(call, 20, 3, True))
     # one more call, checked against its float32 sum
@@ -259,13 +263,7 @@ def main() -> None:
             print(line, flush=True)
 
     log(f"## pull floor, 2 x {torch.cuda.get_device_name()}")
-    round_trips(
-        st.buf[FLAGS_AT : FLAGS_AT + 64].view(torch.int32),
-        st.peers[peer][FLAGS_AT : FLAGS_AT + 64].view(torch.int32),
-        rank,
-        timed,
-        log,
-    )
+    round_trips(*flag_words(st, peer), rank, timed, log)
     log("\n| MiB | what | us per call | GB/s per rank | / raw push |\n|---|---|---|---|---|")
     for mib in sizes:
         pull_rows(mib, st, peer, dev, timed, log)

@@ -203,12 +203,10 @@ if [[ $what == split-ab ]]; then
 fi
 if [[ $what == one-launch ]]; then
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
-  for p in 0 1000000 8192 1024; do
-    step "bench_comm_programs$p.log" 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=$p $run2 tools/bench_comm.py \
-      --sizes 16,64
+  for setting in REDUCE_PROGRAMS=0 REDUCE_PROGRAMS=1000000 REDUCE_PROGRAMS=8192 REDUCE_PROGRAMS=1024 \
+    ONE_LAUNCH_PULL=0; do
+    step "bench_comm_${setting,,}.log" 10 200 env "MAGI_COMM_NATIVE_$setting" $run2 tools/bench_comm.py --sizes 16,64
   done
-  step bench_comm_three_launches.log 10 200 env MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0 $run2 tools/bench_comm.py \
-    --sizes 16,64
 fi
 if [[ $what == pulled-step ]]; then
   step step_ab_pulled_cp2.log 40 420 env MAGI_COMM_BACKEND=native NVSHMEM_SYMMETRIC_SIZE=8G $run2 tools/step_ab.py \

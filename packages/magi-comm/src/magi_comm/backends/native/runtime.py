@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import NativeConfig, unavailable
+from .config import MIB, NativeConfig, unavailable
 from .platform import CudaPlatform, process_platform
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Runtime:
                 nvc.get_version(),
                 rank,
                 world,
-                heap / (1 << 20),
+                heap / MIB,
                 "unset or false" if vmm else "set",
             )
             rt = platform.runtime = cls(platform, members, rank, world, device, nvc, nvb, heap)
@@ -122,7 +122,7 @@ def default_heap_bytes(buffer_bytes: int, device_bytes: int, vmm: bool) -> int:
     at cp 4 and 128k tokens (Hk 8, D 128) the degree-0 backward's float32 partials needed a
     buffer of about 0.8 GB, past a 1 GiB heap's half, and the step ran 2-5% slower
     (docs/perf.md). Without VMM NVSHMEM maps the whole heap at init: then only the floor."""
-    floor = max(1 << 30, 4 * buffer_bytes)
+    floor = max(1024 * MIB, 4 * buffer_bytes)
     return max(floor, device_bytes // 8) if vmm else floor
 
 
