@@ -23,7 +23,7 @@ __all__ = ["ONE_LAUNCH_PROGRAMS", "ReducePath"]
 
 # programs of a one-launch reduction (they stride over its tiles): each acquires its source's
 # READY once. Taken from tools/bench_pull_floor.py's plain pull + add on 2x H100 (2112 programs:
-# level with one per tile alone, 3-4% faster in one launch at 16 MiB; docs/perf.md); not swept
+# level with one per tile alone, 3-5% less time in one launch at 16 MiB; docs/perf.md); not swept
 # for the fused reduction itself (`gpu_multi.sh one-launch` does)
 ONE_LAUNCH_PROGRAMS = 2048
 
