@@ -226,9 +226,11 @@ def signal_latency(nat, rank: int, world: int, dev, iters: int = 50) -> None:
     dist.barrier()
 
 
-def trace(fn, rank: int, name: str, iters: int = 10) -> None:
+def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> None:
     """torch.profiler timeline (CPU and GPU) of ``iters`` calls: a table on rank 0, and Chrome
-    traces ``comm_trace_<name>_rank<r>.json`` in $OUT (or the working directory)."""
+    traces ``comm_trace_<name>_rank<r>.json`` in $OUT (or the working directory). ``ahead``: the
+    calls host ahead, as :func:`timed` makes them (the GPU sleeps while the host enqueues them,
+    the ranks' streams start together); every rank then prints its kernels (:func:`kernel_times`)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -236,14 +238,60 @@ def trace(fn, rank: int, name: str, iters: int = 10) -> None:
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if ahead:
+            torch.cuda._sleep(iters * 1_000_000)
+            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
     dist.barrier()
     out = os.environ.get("OUT", ".")
     prof.export_chrome_trace(os.path.join(out, f"comm_trace_{name}_rank{rank}.json"))
-    if rank == 0:
+    if rank == 0 and not ahead:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
+    if ahead:
+        lines = kernel_times(prof, iters)
+        for r in range(dist.get_world_size()):
+            if r == rank:
+                print(f"-- {name} rank {rank}, host ahead, {iters} calls:\n" + "\n".join(lines), flush=True)
+            dist.barrier()
+
+
+def kernel_times(prof, iters: int) -> list[str]:
+    """Per kernel of a host-ahead trace (the sleep and NCCL's start line left out): launches,
+    median and largest duration in us; then the call's period (median from one start of the
+    kernel launched ``iters`` times, the longest such, to its next) and the gap around it."""
+    import statistics
+
+    from torch.autograd import DeviceType
+
+    evs = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and "sleep" not in e.name and "nccl" not in e.name
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    by: dict[str, list] = {}
+    for e in evs:
+        by.setdefault(e.name, []).append(e)
+    lines = []
+    for kname, es in sorted(by.items(), key=lambda kv: -sum(e.time_range.elapsed_us() for e in kv[1])):
+        d = [e.time_range.elapsed_us() for e in es]
+        lines.append(
+            f"  {len(es):4d} x {statistics.median(d):8.1f} us median, {max(d):8.1f} max  {kname[:90]}"
+        )
+    per_call = [es for es in by.values() if len(es) == iters]
+    if per_call:
+        main = max(per_call, key=lambda es: sum(e.time_range.elapsed_us() for e in es))
+        starts = [e.time_range.start for e in main]
+        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        dur = statistics.median(e.time_range.elapsed_us() for e in main[1:])
+        lines.append(
+            f"  period {period:.1f} us a call; its longest kernel {dur:.1f} us; the rest {period - dur:.1f} us"
+        )
+    return lines
 
 
 @dataclasses.dataclass
@@ -310,9 +358,10 @@ def _checked_buffers(
 
 
 def run_size(
-    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: bool = False, nat_host=None
+    mib: float, nat, a2a, rank: int, world: int, dev, iters: int, log, profile: str = "", nat_host=None
 ) -> None:
-    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB.
+    """Check native == a2av bitwise, then time cast / reduce / raw copies for S = ``mib`` MiB
+    (``profile``: "host" for ``--profile-host``, "device" for ``--profile-device``, no timing).
     ``nat_host``: a second native collective with the handshake on the host (NVSHMEM signal
     and wait operations), checked and timed alongside as ``native-host``."""
     rows = int(mib * (1 << 20)) // ROW_BYTES
@@ -336,7 +385,9 @@ def run_size(
         ("reduce-sym", "native"): lambda: nat.group_reduce(b.part_d, red, outs, ins, src, dst),
         ("reduce", "a2av"): lambda: a2a.group_reduce(b.part, red, outs, ins, src, dst),
     }
-    if profile:
+    if profile == "device":
+        _profile_device(calls, mib, rank)
+    elif profile:
         _profile_calls(calls, mib, rank)
     else:
         for ahead, tag in ((False, ""), (True, " ahead")):
@@ -353,6 +404,13 @@ def run_size(
         _time_raw_limits(nat, b.x, rows, rank, world, dev, iters, log, mib)
     nat.free_output(b.out_d)
     nat.free_output(b.part_d)
+
+
+def _profile_device(calls: dict, mib: float, rank: int) -> None:
+    """Device timelines of the native reduces host ahead (``--profile-device``): each rank's
+    kernels and the call's period (:func:`trace`)."""
+    for op in ("reduce", "reduce-sym"):
+        trace(calls[(op, "native")], rank, f"native_{op}_{mib:g}MiB_ahead", iters=20, ahead=True)
 
 
 def _profile_calls(calls: dict, mib: float, rank: int) -> None:
@@ -465,6 +523,11 @@ def main() -> int:
         "--profile-host", action="store_true", help="host time per call and its cProfile, no timing"
     )
     ap.add_argument(
+        "--profile-device",
+        action="store_true",
+        help="the native reduces' kernels and period per call, host ahead (torch.profiler), no timing",
+    )
+    ap.add_argument(
         "--sweep-reduce",
         default="",
         help="fused-reduction tile shapes ROWSxWARPS,... (0x0: the defaults): reduce GB/s per shape, host ahead",
@@ -511,7 +574,8 @@ def main() -> int:
         sweep_reduce(args.sweep_reduce, sizes, nat, a2a, rank, world, dev, args.iters)
         sizes = []
     for mib in sizes:
-        run_size(mib, nat, a2a, rank, world, dev, args.iters, log, args.profile_host, nat_host)
+        profile = "device" if args.profile_device else "host" if args.profile_host else ""
+        run_size(mib, nat, a2a, rank, world, dev, args.iters, log, profile, nat_host)
 
     if rank == 0 and results:
         by = {(op, mib, name): gbs for op, mib, name, gbs, _ in results}
