@@ -205,7 +205,8 @@ if [[ $what == one-launch ]]; then
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
   for setting in REDUCE_PROGRAMS=0 REDUCE_PROGRAMS=1000000 REDUCE_PROGRAMS=8192 REDUCE_PROGRAMS=1024 \
     ONE_LAUNCH_PULL=0; do
-    step "bench_comm_${setting,,}.log" 10 200 env "MAGI_COMM_NATIVE_$setting" $run2 tools/bench_comm.py --sizes 16,64
+    name=${setting,,}  # no '=' in the log's name: the device tool does not return such files
+    step "bench_comm_${name//=/_}.log" 10 200 env "MAGI_COMM_NATIVE_$setting" $run2 tools/bench_comm.py --sizes 16,64
   done
 fi
 if [[ $what == pulled-step ]]; then

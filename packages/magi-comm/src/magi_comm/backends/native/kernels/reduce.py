@@ -63,7 +63,8 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     (each must pull: a destination that does not accept would need its rows sent, which this
     launch cannot do, so it traps instead), records the decisions under each destination's epoch
     and signals READY; every program then acquires each source's READY count before its first
-    tile. The words are those of the send kernel (``pack_peer``)."""
+    tile, pausing between polls (up to 2048 programs poll at once). The words are those of the
+    send kernel (``pack_peer``)."""
     if tl.program_id(0) == 0:
         # the send kernel's start, in this program alone: arm, then the destinations' arms
         handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, 1, PAUSE)
@@ -85,7 +86,7 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     for c in tl.static_range(W):
         want = (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) >> 1) & 0x7FFFFFFF
         if want > 0:
-            await_at_least(slots + READY * W + c, want, PAUSE)
+            await_at_least(slots + READY * W + c, want, PAUSE, True)
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7
                         got = tl.load(at, volatile=True)
                     got = tl.atomic_add(at, 0, sem="acquire", scope="gpu")
                     if (got & 1) != 0:
-                        await_at_least(slots + DONE * W + c, dst_epoch, PAUSE)
+                        await_at_least(slots + DONE * W + c, dst_epoch, PAUSE, False)
 
 
 @triton.jit(do_not_specialize=PEER_ARGS + _DONE_ARGS + _START_ARGS)
