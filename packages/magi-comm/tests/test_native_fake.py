@@ -28,6 +28,8 @@ from magi_comm.testing import native_cases, native_fake
         (3, False, True),
         (2, True, False),
         (3, False, False),
+        (8, True, True),  # cp 8: every packed peer word in use (PEER_WORDS)
+        (8, False, False),
     ],
 )
 def test_native_backend_in_fake_world(world, fused, handshake):

@@ -160,7 +160,7 @@ def _sums_in_grad_dtype_equal_the_cast(world: int, rank: int, group) -> list[boo
 
 
 @pytest.mark.parametrize("split", ["0", "1"])  # the degree-0 backward in one call, or split by keys
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 8])  # 8: cp 8's packed peer words all in use
 def test_native_partials_are_pulled_from_symmetric_outputs(world, split, monkeypatch):
     monkeypatch.setenv(attn.ENV_BWD_SPLIT, split)  # read per backward; the same on every rank here
     for mask, degree, _ in CASES:  # the lopsided mask has a rank without remote rows somewhere
