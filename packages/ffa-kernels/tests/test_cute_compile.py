@@ -985,3 +985,27 @@ def test_backward_heads_per_cta_is_what_the_stage_launches(monkeypatch, hq, hk):
         x = torch.zeros(8, hq, 96, dtype=torch.bfloat16)
         y = torch.zeros(8, hk, 96, dtype=torch.bfloat16)
         bwd_interface.cute_backward_heads_per_cta(x, y, y, t([[0, 8]]), t([[0, 8]]), t([0]), 0.0, False)
+
+
+WAIT_KV_VARIANTS = [  # (head_dim, head_dim_v, dtype, softcap, G): the forward waiting for late K/V rows
+    (128, 128, torch.bfloat16, False, 1),
+    (128, 128, torch.float16, True, 8),
+    (192, 128, torch.bfloat16, False, 1),
+]
+
+
+@pytest.mark.parametrize("d,dv,dt,softcap,g", WAIT_KV_VARIANTS)
+def test_compile_wait_kv_variants(d, dv, dt, softcap, g, tmp_path, monkeypatch):
+    """The forward that waits for late key/value rows (`ffa_forward`'s ``kv_ready``: its load
+    warp spins on a flag before the first block reaching them) compiles for sm_90a with no GPU,
+    under its own compile key, and takes the arguments the packed launcher gives it."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from ffa_kernels.cute import compile_cache, interface
+
+    cfg = default_config(d, dv)
+    key = interface.compile_key(dt, cfg, softcap, False, g, wait_kv=True)
+    assert ("wait_kv", True) in key.flags and key != interface.compile_key(dt, cfg, softcap, False, g)
+    compile_cache.forget(key)
+    fn = interface.get_kernel(dt, cfg, softcap, pack=g, wait_kv=True, use_disk_cache=False)
+    assert_packed_launch_equals_dsl(fn, dt, False)

@@ -13,7 +13,7 @@ Public API (the contract is docs/api.md):
   (with `ffa_backward_prepare`: its shared preprocess, enqueued ahead of the K/V rows, and
   `backward_heads_per_cta`: the launch shape a call would take, for a caller that splits one key
   set into calls),
-  `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller).
+  `apply_sink`, `sink_backward`, `merge_lse_`; and `ffa_forward`, the whole forward of one key set without autograd (a single-stage caller; `KVReady`: rows of K/V still arriving when it is issued).
 - mask type codes `MaskType` / `FULL`, `CAUSAL`, `INVCAUSAL`, `BICAUSAL`, and `mask_type_code`.
 - `validate_attn_inputs`: `flex_flash_attn_func`'s checks of every argument but the ranges, for
   callers that make the ranges themselves (magi-dist checks its arguments with it, before any
@@ -40,6 +40,7 @@ from ._frontend import (
     forward_accumulators,
     once_differentiable,
 )
+from ._kv_ready import KVReady
 from ._merge import merge_lse_
 from ._sink import apply_sink, sink_backward, sink_lse
 from ._types import BICAUSAL, CAUSAL, FULL, INVCAUSAL, AttnForwardMeta, MaskType, mask_type_code
@@ -56,6 +57,7 @@ __all__ = [
     "AttnInputs",
     "BackendFallbackWarning",
     "FlexMask",
+    "KVReady",
     "MaskType",
     "__version__",
     "accumulator_dtype",

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _backend
 from ._flex_mask import FlexMask
+from ._kv_ready import KVReady, check_kv_ready, wait_on_stream
 from ._merge import merge_finite_lse_
 from ._once_differentiable import once_differentiable
 from ._sink import apply_sink, sink_backward
@@ -100,7 +101,14 @@ def _reference_backward_stage(args: ValidatedAttnArgs, dout, out, lse, dq_acc, d
         reference_backward_stage(args, dout, out, lse, dq_acc, dk_acc, dv_acc)
 
 
-def _kernel_forward(cute, args: ValidatedAttnArgs, sink, sink_layout: str, return_max_logits: bool):
+def _kernel_forward(
+    cute,
+    args: ValidatedAttnArgs,
+    sink,
+    sink_layout: str,
+    return_max_logits: bool,
+    kv_ready: KVReady | None = None,
+):
     """One plain kernel call over ``args``: (out in q's dtype, lse, max_logits or None)."""
     return cute.cute_forward(
         args.q,
@@ -114,6 +122,7 @@ def _kernel_forward(cute, args: ValidatedAttnArgs, sink, sink_layout: str, retur
         sink=sink,
         sink_layout=sink_layout,
         return_max_logits=return_max_logits,
+        **({} if kv_ready is None else {"kv_ready": kv_ready}),
     )
 
 
@@ -153,16 +162,23 @@ def _forward_stage(
 
 
 def _forward_whole(
-    args: ValidatedAttnArgs, sink: torch.Tensor | None, sink_layout: str, return_max_logits: bool
+    args: ValidatedAttnArgs,
+    sink: torch.Tensor | None,
+    sink_layout: str,
+    return_max_logits: bool,
+    kv_ready: KVReady | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The whole forward of `flex_flash_attn_func`: (out, lse, max_logits) in accumulator dtype
-    (reference) or out in q's dtype (kernel; its sink goes into the softmax state directly)."""
+    (reference) or out in q's dtype (kernel; its sink goes into the softmax state directly).
+    ``kv_ready`` (checked): the kernel waits for the late rows itself, the reference's stream
+    before it starts."""
     cute = _cute_module(args)
     if cute is not None:
         try:
-            return _kernel_forward(cute, args, sink, sink_layout, return_max_logits)
+            return _kernel_forward(cute, args, sink, sink_layout, return_max_logits, kv_ready)
         except NotImplementedError as exc:
             _kernel_declined(exc)
+    wait_on_stream(kv_ready, args.k.shape[0])
     out_acc, lse_acc, max_acc = forward_accumulators(
         args.q, max_logits=return_max_logits, head_dim_v=args.v.shape[2]
     )
@@ -338,6 +354,7 @@ def ffa_forward(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     return_max_logits: bool = False,
+    kv_ready: KVReady | tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The whole forward of one key set, sink included, without autograd.
 
@@ -345,7 +362,14 @@ def ffa_forward(
     backward (magi-dist with a single stage): the kernel writes ``out`` in q's dtype directly,
     with no float32 accumulators to allocate, merge into and convert.
 
-    Args: as `flex_flash_attn_func`.
+    Args: as `flex_flash_attn_func`, and
+        kv_ready: `KVReady` ``(flag, value, first_row)`` (a 3-tuple is taken), or None: k and v
+            rows ``first_row:`` may still be arriving when the call is issued (another stream,
+            a copy engine or a peer GPU writes them); they are read only once the int32
+            ``flag[0]`` holds ``value`` or more (acquire at system scope), the rows before them
+            at once. The writer raises the word once the rows are complete. The kernel waits
+            in its load warp, each CTA at most once, at most about 69 s (then the launch ends
+            with an error); the reference backend makes the stream wait before it starts.
 
     Returns:
         ``(out, lse, max_logits)``: out ``(Tq, Hq, Dv)`` in q's dtype; lse ``(Tq, Hq)`` after sink
@@ -355,7 +379,8 @@ def ffa_forward(
     args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     sink = check_sink(sink, sink_layout, args.q)
     check_bool("return_max_logits", return_max_logits)
-    out, lse, max_logits = _forward_whole(args, sink, sink_layout, return_max_logits)
+    ready = check_kv_ready(kv_ready, args.k)
+    out, lse, max_logits = _forward_whole(args, sink, sink_layout, return_max_logits, ready)
     return out.to(args.q.dtype), lse, max_logits
 
 

@@ -1,11 +1,14 @@
-"""Global-memory operations of the backward (device side): its partial gradients written two
-elements at a time (float32 reductions, or 16-bit stores where one CTA owns the rows), and the
-acquire / release pair of its deterministic mode's semaphores."""
+"""Global-memory operations of the kernels (device side): the backward's partial gradients
+written two elements at a time (float32 reductions, or 16-bit stores where one CTA owns the
+rows), the acquire / release pair of its deterministic mode's semaphores, and the forward's
+bounded wait for key/value rows that another stream, engine or GPU is still writing
+(`await_flag`)."""
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -80,3 +83,66 @@ def add_release_i32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> No
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+# how long `await_flag` waits before it ends the kernel: 2**36 ns, about 69 s
+WAIT_LIMIT_NS = 1 << 36
+
+
+@dsl_user_op
+def load_acquire_sys_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """``ptr[0]`` read with acquire semantics at system scope (``ld.acquire.sys``): what another
+    GPU, a copy engine or the host made visible before raising the word is visible after it."""
+    return Int32(
+        llvm.inline_asm(
+            Int32.mlir_type,
+            [ptr.toint(loc=loc, ip=ip).ir_value()],
+            "ld.acquire.sys.global.s32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def fence_proxy_async_global(*, loc=None, ip=None) -> None:
+    """Order this thread's earlier generic-proxy accesses (an acquire) before its later
+    async-proxy ones (TMA loads) on global memory (``fence.proxy.async.global``)."""
+    llvm.inline_asm(
+        None, [], "fence.proxy.async.global;", "", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+@dsl_user_op
+def global_timer_ns(*, loc=None, ip=None) -> Int64:
+    """The GPU's global nanosecond timer (``%globaltimer``)."""
+    return Int64(
+        llvm.inline_asm(
+            Int64.mlir_type, [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """Abort the launch: the CUDA context is left in error, so the host's next CUDA call raises."""
+    llvm.inline_asm(
+        None, [], "trap;", "", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT
+    )
+
+
+@cute.jit
+def await_flag(ptr: cute.Pointer, value: Int32):
+    """Spin until the int32 at ``ptr`` is >= ``value`` (acquire, system scope), then fence the
+    async proxy so that the TMA loads that follow see what was written before the flag rose.
+    A flag that has not risen after ``WAIT_LIMIT_NS`` ends the kernel with ``trap``: an error
+    on the host, never a hang."""
+    start = global_timer_ns()
+    while load_acquire_sys_i32(ptr) < value:
+        if global_timer_ns() - start > cutlass.Int64(WAIT_LIMIT_NS):
+            trap()
+    fence_proxy_async_global()

@@ -20,6 +20,13 @@ partial ones get the band mask, empty ones are never planned (never loaded). Wit
 tile_m / G tokens for one K/V head: its row p is token m0 + p // G of q head hk * G + p % G,
 Q and O travel by TMA through q's storage seen as ((G, Tq), D, Hk).
 
+With ``wait_kv`` (compile-time; normal epilogue only) key/value rows from ``ready_row`` on may
+still be arriving when the kernel starts (another stream, a copy engine or a peer GPU writes
+them): the producer loads the first block that reaches them only after the int32 at
+``ptr_ready`` is >= ``ready_value`` (`atomics.await_flag`: acquire at system scope, then the
+async-proxy fence its TMA loads need; bounded). Each CTA waits at most once; CTAs whose blocks
+all lie before ``ready_row`` never wait.
+
 Two epilogues, chosen at compile time (``accumulate``):
   normal      O in q.dtype through shared memory (Q's buffer, in O's own (tile_m, Dv) layout)
               and one TMA store per whole tile (a tile that stops early at m_end, a
@@ -41,7 +48,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import PipelineUserType, make_pipeline_state, pipeline_init_arrive, pipeline_init_wait
 
-from .atomics import store_pair_16bit
+from .atomics import await_flag, store_pair_16bit
 from .config import FwdConfig
 from .masking import apply_band_mask, block_is_full, score_coords
 from .mma import acc_as_operand_a, acc_rows_cols, smem_layout, smem_transpose, tiled_wgmma, wgmma
@@ -62,14 +69,18 @@ FLAG_MAX_LOGITS = 2
 
 
 class FFAForwardSm90:
-    """One compiled kernel per (dtype, FwdConfig, softcap on/off, accumulate on/off).
+    """One compiled kernel per (dtype, FwdConfig, softcap on/off, accumulate on/off, pack,
+    wait_kv on/off).
 
     accumulate=False: ``ptr_o`` is the (Tq, Hq, Dv) output in ``dtype``, ``ptr_lse`` the f32 lse,
     both written for every row. accumulate=True: ``ptr_o`` is a float32 (Tq, Hq, Dv) and
     ``ptr_lse`` a float32 (Tq, Hq) accumulator, read and merged in place; no sink.
     """
 
-    def __init__(self, dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False, pack: int = 1):
+    def __init__(
+        self, dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False, pack: int = 1,
+        wait_kv: bool = False,
+    ):  # fmt: skip
         self.dtype = dtype
         self.cfg = cfg
         self.has_softcap = has_softcap
@@ -81,6 +92,8 @@ class FFAForwardSm90:
         assert pack >= 1 and cfg.tile_m % pack == 0, f"pack: {pack} must divide tile_m {cfg.tile_m}"
         assert pack == 1 or not accumulate, "pack: the accumulate epilogue is not packed"
         self.pack = pack
+        assert not (wait_kv and accumulate), "wait_kv: the accumulate epilogue does not wait"
+        self.wait_kv = wait_kv
         self.tile_tokens = cfg.tile_m // pack
         # band masks by bit runs (masking.apply_band_mask) at 128 keys per block: faster at D 64;
         # at D 256 (80 keys) they measured within noise (docs/perf.md) and the comparisons stay
@@ -100,6 +113,7 @@ class FFAForwardSm90:
         ptr_ent: cute.Pointer,  # (E, 8) i32
         ptr_sink: cute.Pointer,  # (Tq, Hq) f32, natural-log LSE of the sink logits (dummy if none)
         ptr_maxlogit: cute.Pointer,  # (Hq,) f32, -inf initialised (dummy if not requested)
+        ptr_ready: cute.Pointer,  # (1,) i32: rows from ready_row on once >= ready_value (wait_kv)
         total_q: Int32,
         total_k: Int32,
         num_heads_q: Int32,
@@ -112,6 +126,8 @@ class FFAForwardSm90:
         score_premul: Float32,  # softmax_scale / softcap (softcap only)
         softmax_scale: Float32,
         flags: Int32,
+        ready_value: Int32,
+        ready_row: Int32,
         stream: cuda.CUstream,
     ):
         D, Dv = self.hdim, self.hdim_v
@@ -127,6 +143,7 @@ class FFAForwardSm90:
         mEnt = cute.make_tensor(ptr_ent, cute.make_layout((num_entries, ENTRY_COLS), stride=(ENTRY_COLS, 1)))
         mSinkLse = cute.make_tensor(ptr_sink, cute.make_layout((total_q, num_heads_q), stride=(hq64, 1)))
         mMaxLogit = cute.make_tensor(ptr_maxlogit, cute.make_layout((num_heads_q,), stride=(1,)))
+        mReady = cute.make_tensor(ptr_ready, cute.make_layout((1,), stride=(1,)))
         qhead_per_kvhead = num_heads_q // num_heads_k
         cfg = self.cfg
         # (T, H, D) -> (T, D, H): the sequence axis first, head last, for TMA
@@ -203,6 +220,7 @@ class FFAForwardSm90:
             mEnt,
             mSinkLse,
             mMaxLogit,
+            mReady,
             sQ_layout,
             sK_layout,
             sV_layout,
@@ -216,6 +234,8 @@ class FFAForwardSm90:
             num_work,
             num_heads,
             flags,
+            ready_value,
+            ready_row,
             SharedStorage,
         ).launch(
             grid=[num_work * num_heads, 1, 1],
@@ -242,6 +262,7 @@ class FFAForwardSm90:
         mEnt: cute.Tensor,
         mSinkLse: cute.Tensor,
         mMaxLogit: cute.Tensor,
+        mReady: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -255,6 +276,8 @@ class FFAForwardSm90:
         num_work: Int32,
         num_heads: Int32,
         flags: Int32,
+        ready_value: Int32,
+        ready_row: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
@@ -295,6 +318,7 @@ class FFAForwardSm90:
                 self.producer(
                     tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
                     pipe_q, pipe_k, pipe_v, mEnt, m0, e0, e1, nb_total, head, head_kv,
+                    mReady, ready_value, ready_row,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.mma_regs)
@@ -308,8 +332,13 @@ class FFAForwardSm90:
     def producer(
         self, tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v, mEnt, m0, e0, e1, nb_total, head, head_kv,
+        mReady, ready_value, ready_row,
     ):  # fmt: skip
         cfg = self.cfg
+        # wait_kv: 0 until this CTA has waited for the rows from ready_row on (once at most)
+        waited = Int32(1)
+        if cutlass.const_expr(self.wait_kv):
+            waited = Int32(0)
         gQ = tma_q[None, None, head]
         gK = tma_k[None, None, head_kv]
         gV = tma_v[None, None, head_kv]
@@ -318,6 +347,8 @@ class FFAForwardSm90:
         v_state = make_pipeline_state(PipelineUserType.Producer, cfg.num_stages)
         if nb_total > 0:
             kb = mEnt[e0, 0]
+            if cutlass.const_expr(self.wait_kv):
+                waited = self.await_rows(mReady, ready_value, ready_row, kb, waited)
             # K of block 0 first, then Q (both needed by the first GEMM)
             pipe_k.producer_acquire(k_state)
             tma_load_rows(tma_atom_k, gK, kb, self.tile_n, self.hdim, sK, k_state.index,
@@ -338,6 +369,8 @@ class FFAForwardSm90:
                 nblk = mEnt[e, 1]
                 for j in cutlass.range(j_start, nblk, unroll=1):
                     kb = k_lo + j * self.tile_n
+                    if cutlass.const_expr(self.wait_kv):
+                        waited = self.await_rows(mReady, ready_value, ready_row, kb, waited)
                     pipe_k.producer_acquire(k_state)
                     tma_load_rows(tma_atom_k, gK, kb, self.tile_n, self.hdim, sK, k_state.index,
                                   pipe_k.producer_get_barrier(k_state))  # fmt: skip
@@ -356,6 +389,16 @@ class FFAForwardSm90:
                 tma_load_rows(tma_atom_v, gV, kb_prev, self.tile_n, self.hdim_v, sV, v_state.index,
                               pipe_v.producer_get_barrier(v_state))  # fmt: skip
                 v_state.advance()
+
+    @cute.jit
+    def await_rows(self, mReady, ready_value, ready_row, kb, waited):
+        """Before K block ``kb`` is loaded: if it reaches row ``ready_row`` and this CTA has not
+        waited yet, wait for the flag (V blocks follow their K block: covered too). Returns the
+        new ``waited``."""
+        if waited == 0 and kb + self.tile_n > ready_row:
+            await_flag(mReady.iterator, ready_value)
+            waited = Int32(1)
+        return waited
 
     @cute.jit
     def scores(

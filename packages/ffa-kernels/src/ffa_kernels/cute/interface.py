@@ -1,6 +1,7 @@
 """The sm90 forward's host interface: the compiled kernel for a configuration (through
 `compile_cache`), the checks every sm90 kernel shares (`kernel_scales`), ``cute_forward``
-(fresh output) and ``cute_forward_accumulate`` (merge into a float32 accumulator in place)."""
+(fresh output; ``kv_ready``: key/value rows still arriving) and ``cute_forward_accumulate``
+(merge into a float32 accumulator in place)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 
 import torch
 
+from .._kv_ready import KVReady
 from .._sink import sink_lse
 from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
@@ -24,14 +26,17 @@ _LOG2_E = math.log2(math.e)
 
 
 def compile_key(
-    torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False, pack: int = 1
-) -> CompileKey:
+    torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool = False, pack: int = 1,
+    wait_kv: bool = False,
+) -> CompileKey:  # fmt: skip
     """Everything a compiled forward depends on; no per-call shape or range content. ``pack``
-    (GQA packed tiles, G q heads per K/V head) enters the key only when > 1, so the unpacked
-    kernels keep their disk-cache names."""
+    (GQA packed tiles, G q heads per K/V head) enters the key only when > 1 and ``wait_kv``
+    (late key/value rows) only when on, so the other kernels keep their disk-cache names."""
     flags: tuple = (("softcap", bool(has_softcap)), ("accumulate", bool(accumulate)))
     if pack > 1:
         flags += (("pack", int(pack)),)
+    if wait_kv:
+        flags += (("wait_kv", True),)
     return CompileKey(
         kernel="ffa_fwd_sm90",
         dtype=str(torch_dtype),
@@ -54,23 +59,24 @@ def get_kernel(
     *,
     accumulate: bool = False,
     pack: int = 1,
+    wait_kv: bool = False,
     use_disk_cache: bool = True,
 ):
-    """Compiled kernel for (dtype, cfg, softcap, accumulate, pack): memory cache, then disk cache,
-    then compile."""
+    """Compiled kernel for (dtype, cfg, softcap, accumulate, pack, wait_kv): memory cache, then
+    disk cache, then compile."""
 
     def build():
         from .fwd_sm90 import FFAForwardSm90
 
-        return FFAForwardSm90(dtype_of(torch_dtype), cfg, has_softcap, accumulate, pack)
+        return FFAForwardSm90(dtype_of(torch_dtype), cfg, has_softcap, accumulate, pack, wait_kv)
 
     return compiled_kernel(
-        compile_key(torch_dtype, cfg, has_softcap, accumulate, pack),
+        compile_key(torch_dtype, cfg, has_softcap, accumulate, pack, wait_kv),
         "ffa_fwd_",
         build,
         lambda: _compile_args(torch_dtype, accumulate),
         f"sm90 forward (dtype={torch_dtype}, hdim={cfg.head_dim}, hdim_v={cfg.head_dim_v}, "
-        f"softcap={has_softcap}, accumulate={accumulate}, pack={pack})",
+        f"softcap={has_softcap}, accumulate={accumulate}, pack={pack}, wait_kv={wait_kv})",
         use_disk_cache=use_disk_cache,
     )
 
@@ -216,11 +222,21 @@ class _Runtime:
         self.flag_sink, self.flag_ml = FLAG_HAS_SINK, FLAG_MAX_LOGITS
         self.launchers: dict[tuple, object] = {}
 
-    def launcher(self, torch_dtype, cfg: FwdConfig, has_softcap: bool, accumulate: bool, pack: int = 1):
-        key = (torch_dtype, cfg, has_softcap, accumulate, pack)
+    def launcher(
+        self,
+        torch_dtype,
+        cfg: FwdConfig,
+        has_softcap: bool,
+        accumulate: bool,
+        pack: int = 1,
+        wait_kv: bool = False,
+    ):
+        key = (torch_dtype, cfg, has_softcap, accumulate, pack, wait_kv)
         fn = self.launchers.get(key)
         if fn is None:
-            kernel = get_kernel(torch_dtype, cfg, has_softcap, accumulate=accumulate, pack=pack)
+            kernel = get_kernel(
+                torch_dtype, cfg, has_softcap, accumulate=accumulate, pack=pack, wait_kv=wait_kv
+            )
             fn = self.launchers[key] = make_launcher(kernel, arg_spec(accumulate), dtype_of(torch_dtype))
         return fn
 
@@ -349,16 +365,22 @@ def _kv_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _launch(
     rt: _Runtime, accumulate: bool, cfg: FwdConfig, q, k, v, out, lse, plan, sink_lse, max_logits,
     softmax_scale: float, softcap: float, flags: int, head_group: int | None, pack: int = 1,
+    kv_ready: KVReady | None = None,
 ) -> None:  # fmt: skip
     """Fill the kernel's arguments (see kernel_args.arg_spec) and launch on the current stream.
 
     sink_lse / max_logits may be None (the kernel reads them only under their flags; any valid
     pointer of the right alignment stands in). ``pack`` > 1: GQA packed tiles (``plan`` built
-    with tile_m / pack tokens per tile); the head group then counts K/V heads."""
+    with tile_m / pack tokens per tile); the head group then counts K/V heads. ``kv_ready``
+    (checked, some rows late): the ``wait_kv`` kernel."""
     total_q, hq, d = q.shape
     total_k, hk, _ = k.shape
     has_softcap = softcap > 0.0
-    fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate, pack)
+    fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate, pack, kv_ready is not None)
+    ready_ptr, ready_value, ready_row = (
+        (lse.data_ptr(), 0, total_k) if kv_ready is None
+        else (kv_ready.flag.data_ptr(), kv_ready.value, kv_ready.first_row)
+    )  # fmt: skip
     q = _aligned16(q)
     k, k_row_stride = _rows_in_place(k)
     v, v_row_stride = _rows_in_place(v)
@@ -375,9 +397,9 @@ def _launch(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             plan.work.data_ptr(), plan.entries.data_ptr(),
             (sink_lse if sink_lse is not None else out).data_ptr(),
-            (max_logits if max_logits is not None else lse).data_ptr(),
+            (max_logits if max_logits is not None else lse).data_ptr(), ready_ptr,
             total_q, total_k, hq, hk, plan.num_work, plan.num_entries, k_row_stride, v_row_stride,
-            scale_log2, premul, softmax_scale, flags,
+            scale_log2, premul, softmax_scale, flags, ready_value, ready_row,
             current_stream_handle(q.device),
         )
     )  # fmt: skip
@@ -398,10 +420,15 @@ def cute_forward(
     return_max_logits: bool,
     config: FwdConfig | None = None,
     head_group: int | None = None,
+    kv_ready: KVReady | None = None,
 ):
     """sm90 CuTe DSL forward. q (Tq,Hq,D), k (Tk,Hk,D), v (Tk,Hk,Dv) with (D, Dv) one of
     ``SUPPORTED_HEAD_DIMS["forward"]``. Returns (out (Tq,Hq,Dv) q.dtype, lse f32 (Tq,Hq),
-    max_logits f32 (Hq,) | None)."""
+    max_logits f32 (Hq,) | None). ``kv_ready`` (checked by `_kv_ready.check_kv_ready`): rows
+    from its ``first_row`` on are read only once its flag holds ``value`` (the ``wait_kv``
+    kernel; a call with no late row takes the plain one)."""
+    if kv_ready is not None and kv_ready.first_row >= k.shape[0]:
+        kv_ready = None  # no row is late
     rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, _ = q.shape
     total_k = k.shape[0]
@@ -440,6 +467,7 @@ def cute_forward(
         flags,
         head_group,
         pack,
+        kv_ready,
     )
     return out, lse, max_logits
 

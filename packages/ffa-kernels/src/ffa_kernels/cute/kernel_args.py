@@ -1,7 +1,7 @@
 """The forward kernel's argument list, and the per-call host path that feeds it.
 
-The compiled kernel takes 22 arguments: 9 global-memory pointers, 8 int32 sizes, 3 float32
-scales, an int32 flag word and a CUDA stream. ``ARG_SPEC`` names their kinds once; the compile
+The compiled kernel takes 25 arguments: 10 global-memory pointers, 8 int32 sizes, 3 float32
+scales, an int32 flag word, the two int32 of the wait for late key/value rows and a CUDA stream. ``ARG_SPEC`` names their kinds once; the compile
 placeholders and both launchers below are derived from it.
 
 Why a launcher of our own: calling a compiled CuTe DSL function marshals every argument anew
@@ -35,9 +35,10 @@ def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
     """(kind, element, alignment) per argument; kind in ptr / i32 / f32 / stream; a pointer's
     element is "in" (the q/k/v dtype), "f32" or "i32".
 
-    Order: pointers q, k, v, out, lse, work, entries, sink_lse, max_logits; int32 total_q,
-    total_k, heads_q, heads_k, num_work, num_entries, k_row_stride, v_row_stride; float32
-    scale_log2, score_premul, softmax_scale; int32 flags; the stream.
+    Order: pointers q, k, v, out, lse, work, entries, sink_lse, max_logits, ready (an int32
+    flag word, 4-byte aligned); int32 total_q, total_k, heads_q, heads_k, num_work,
+    num_entries, k_row_stride, v_row_stride; float32 scale_log2, score_premul, softmax_scale;
+    int32 flags, ready_value, ready_row (read only by the ``wait_kv`` kernels); the stream.
     accumulate: out is the float32 accumulator, and lse / max_logits are the caller's tensors,
     only assumed 4-byte aligned.
     """
@@ -52,8 +53,9 @@ def arg_spec(accumulate: bool) -> list[tuple[str, str, int]]:
         ("ptr", "i32", 16),
         ("ptr", "f32", 16),
         ("ptr", "f32", align["max_logits_acc"]),
+        ("ptr", "i32", 4),
     ]
-    scalars = [("i32", "", 0)] * 8 + [("f32", "", 0)] * 3 + [("i32", "", 0)]
+    scalars = [("i32", "", 0)] * 8 + [("f32", "", 0)] * 3 + [("i32", "", 0)] * 3
     return ptrs + scalars + [("stream", "", 0)]
 
 

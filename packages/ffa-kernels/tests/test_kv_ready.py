@@ -1,0 +1,71 @@
+"""``ffa_forward``'s ``kv_ready`` (late key/value rows) on the CPU: its checks name the field and
+the value seen, and the reference backend computes the same result once the flag holds."""
+
+import pytest
+import torch
+
+from ffa_kernels import KVReady, ffa_forward
+
+I32 = torch.int32
+
+
+def _inputs(seed=0, tq=40, tk=56, hq=4, hk=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (
+        torch.randn(t, h, d, generator=g, dtype=torch.float64) for t, h in ((tq, hq), (tk, hk), (tk, hk))
+    )
+    qr = torch.tensor([[0, 40], [0, 24], [24, 40]], dtype=I32)
+    kr = torch.tensor([[0, 20], [20, 44], [44, 56]], dtype=I32)
+    return q, k, v, qr, kr, torch.tensor([0, 1, 3], dtype=I32)
+
+
+@pytest.mark.parametrize("first_row", [0, 20, 31, 56])
+def test_reference_result_does_not_change_once_the_flag_holds(first_row):
+    q, k, v, qr, kr, tm = _inputs()
+    plain = ffa_forward(q, k, v, qr, kr, tm, return_max_logits=True)
+    flag = torch.tensor([7, -1], dtype=I32)  # the first element is the word
+    for ready in (KVReady(flag, 7, first_row), (flag, 3, first_row)):
+        got = ffa_forward(q, k, v, qr, kr, tm, return_max_logits=True, kv_ready=ready)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+
+
+def test_a_flag_below_its_value_on_the_cpu_is_an_error_unless_no_row_is_late():
+    q, k, v, qr, kr, tm = _inputs()
+    flag = torch.tensor([2], dtype=I32)
+    with pytest.raises(ValueError, match=r"kv_ready\.flag: holds 2 < value 3"):
+        ffa_forward(q, k, v, qr, kr, tm, kv_ready=(flag, 3, 55))
+    ffa_forward(q, k, v, qr, kr, tm, kv_ready=(flag, 3, 56))  # first_row == Tk: nothing is late
+
+
+@pytest.mark.parametrize(
+    "ready, exc, pattern",
+    [
+        ([torch.zeros(1, dtype=I32), 0, 0], TypeError, r"kv_ready: expected KVReady"),
+        ((torch.zeros(1, dtype=I32), 0), TypeError, r"kv_ready: expected KVReady"),
+        ((torch.zeros(1), 0, 0), TypeError, r"kv_ready\.flag: .*float32 tensor of 1 elements"),
+        ((torch.zeros(0, dtype=I32), 0, 0), TypeError, r"kv_ready\.flag: .*0 elements"),
+        ((3, 0, 0), TypeError, r"kv_ready\.flag: .*int"),
+        (
+            (torch.zeros(1, dtype=I32), -1, 0),
+            ValueError,
+            r"kv_ready\.value: must lie in \[0, 2147483647\], got -1",
+        ),
+        ((torch.zeros(1, dtype=I32), 2**31, 0), ValueError, r"kv_ready\.value: .*got 2147483648"),
+        ((torch.zeros(1, dtype=I32), True, 0), TypeError, r"kv_ready\.value: expected an int, got bool"),
+        (
+            (torch.zeros(1, dtype=I32), 0, 57),
+            ValueError,
+            r"kv_ready\.first_row: must lie in \[0, 56\], got 57",
+        ),
+        ((torch.zeros(1, dtype=I32), 0, 1.0), TypeError, r"kv_ready\.first_row: expected an int, got float"),
+        (
+            (torch.zeros(1, dtype=I32, device="meta"), 0, 0),
+            ValueError,
+            r"kv_ready\.flag: must be on k's device",
+        ),
+    ],
+)
+def test_bad_kv_ready_names_the_field(ready, exc, pattern):
+    q, k, v, qr, kr, tm = _inputs()
+    with pytest.raises(exc, match=pattern):
+        ffa_forward(q, k, v, qr, kr, tm, kv_ready=ready)

@@ -1,0 +1,109 @@
+"""The forward with late key/value rows (``ffa_forward(kv_ready=...)``) on one GPU: what the wait
+costs, and what it overlaps.
+
+    source .dk/bin/env.sh && python tools/bench_kv_ready.py [--tokens 32768] [--transfer-ms 1.0]
+
+A cp-like call: q has T tokens, K/V have 2T rows, ``[local; remote]``; q attends to the local
+keys causally and to the remote ones fully (a later rank's view of one causal document at cp 2),
+the local slice listed first. Hq 32, Hk 8, D 128, bf16. Timed (CUDA events, median of rounds):
+
+* plain: the forward over complete rows;
+* flag up: the same with ``kv_ready`` whose flag holds already (the ``wait_kv`` kernel's cost);
+* in turn: a side stream "receives" the remote rows (sleeps ``--transfer-ms``, standing in for
+  the wire, then copies them in), the forward starts after it (what degree 0 does today);
+* beside: the same transfer, with the forward issued at once with ``kv_ready`` (the flag raised
+  by the side stream after its copy): the local keys' blocks run while the rows travel.
+
+Each timed call checks its output against the plain one (bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from ffa_kernels import KVReady, ffa_forward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768, help="q tokens (K/V rows: twice as many)")
+    ap.add_argument("--transfer-ms", type=float, default=1.0, help="the side stream's sleep before its copy")
+    ap.add_argument("--rounds", type=int, default=10)
+    args = ap.parse_args()
+    t, hq, hk, d = args.tokens, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv_src = torch.randn(2 * t, 2, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = kv_src.clone()
+    k, v = kv[:, 0], kv[:, 1]
+    qr = torch.tensor([[0, t], [0, t]], dtype=torch.int32, device="cuda")
+    kr = torch.tensor([[0, t], [t, 2 * t]], dtype=torch.int32, device="cuda")
+    types = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    sleep = int(args.transfer_ms * 1.98e6)  # cycles at the H100's 1980 MHz
+    want = ffa_forward(q, k, v, qr, kr, types)[0]
+    area = t * t / 2 + t * t  # causal local + full remote
+    flops = 4 * area * hq * d
+    rows: dict[str, list[float]] = {}
+    value = 0
+
+    def timed(name, body):
+        nonlocal value
+        for r in range(args.rounds + 2):
+            value += 1
+            kv[t:].fill_(float("nan"))  # the remote rows, not yet arrived
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = body(start)
+            end.record()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want), name
+            if r >= 2:
+                rows.setdefault(name, []).append(start.elapsed_time(end))
+
+    def receive(start):
+        side.wait_event(start)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep)
+            kv[t:].copy_(kv_src[t:])
+            flag.fill_(value)
+        return side
+
+    def plain(start):
+        kv[t:].copy_(kv_src[t:])
+        return ffa_forward(q, k, v, qr, kr, types)[0]
+
+    def flag_up(start):
+        kv[t:].copy_(kv_src[t:])
+        flag.fill_(value)
+        return ffa_forward(q, k, v, qr, kr, types, kv_ready=KVReady(flag, value, t))[0]
+
+    def in_turn(start):
+        s = receive(start)
+        torch.cuda.current_stream().wait_stream(s)
+        return ffa_forward(q, k, v, qr, kr, types)[0]
+
+    def beside(start):
+        s = receive(start)
+        out = ffa_forward(q, k, v, qr, kr, types, kv_ready=KVReady(flag, value, t))[0]
+        torch.cuda.current_stream().wait_stream(s)
+        return out
+
+    for name, body in (("plain", plain), ("flag up", flag_up), ("in turn", in_turn), ("beside", beside)):
+        timed(name, body)
+    print(
+        f"T {t}, K/V rows {2 * t} (remote {t}), Hq {hq}, Hk {hk}, D {d}, bf16, transfer {args.transfer_ms} ms"
+    )
+    print("| call | median ms | TFLOP/s | timings ms |\n|---|---|---|---|")
+    for name, ms in rows.items():
+        med = statistics.median(ms)
+        print(f"| {name} | {med:.3f} | {flops / med / 1e9:.1f} | {' '.join(f'{x:.2f}' for x in ms)} |")
+
+
+if __name__ == "__main__":
+    main()
