@@ -1,7 +1,7 @@
 """The forward with late key/value rows (``ffa_forward(kv_ready=...)``) on one GPU: what the wait
 costs, and what it overlaps.
 
-    source .dk/bin/env.sh && python tools/bench_kv_ready.py [--tokens 32768] [--transfer-ms 1.0]
+    source .dk/bin/env.sh && python tools/bench_kv_ready.py [--tokens 32768]
 
 A cp-like call: q has T tokens, K/V have 2T rows, ``[local; remote]``; q attends to the local
 keys causally and to the remote ones fully (a later rank's view of one causal document at cp 2),
@@ -9,10 +9,16 @@ the local slice listed first. Hq 32, Hk 8, D 128, bf16. Timed (CUDA events, medi
 
 * plain: the forward over complete rows;
 * flag up: the same with ``kv_ready`` whose flag holds already (the ``wait_kv`` kernel's cost);
-* in turn: a side stream "receives" the remote rows (sleeps ``--transfer-ms``, standing in for
-  the wire, then copies them in), the forward starts after it (what degree 0 does today);
-* beside: the same transfer, with the forward issued at once with ``kv_ready`` (the flag raised
-  by the side stream after its copy): the local keys' blocks run while the rows travel.
+* in turn: a side stream "receives" the remote rows (a copy from pinned host memory, the
+  slow wire's stand-in), the forward starts after it (what degree 0 does today);
+* beside: the same transfer, with the forward issued at once with ``kv_ready``, the flag raised
+  after the copy by a stream write (``cuStreamWriteValue32``): the local keys' blocks run while
+  the rows travel.
+
+The transfer uses no SM (a copy engine, a stream memory operation): a forward whose CTAs wait
+for the flag fill every SM, and a side stream that needed one (a sleep or a fill kernel) would
+never run; the wait's bound then ends the launch with an error (the first version of this tool
+did exactly that). magi-dist's use needs the same: rows delivered without SMs, or SMs left free.
 
 Each timed call checks its output against the plain one (bitwise).
 """
@@ -30,7 +36,6 @@ from ffa_kernels import KVReady, ffa_forward
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768, help="q tokens (K/V rows: twice as many)")
-    ap.add_argument("--transfer-ms", type=float, default=1.0, help="the side stream's sleep before its copy")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     t, hq, hk, d = args.tokens, 32, 8, 128
@@ -38,13 +43,21 @@ def main() -> None:
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     kv_src = torch.randn(2 * t, 2, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = kv_src.clone()
+    remote_host = kv_src[t:].cpu().pin_memory()
     k, v = kv[:, 0], kv[:, 1]
     qr = torch.tensor([[0, t], [0, t]], dtype=torch.int32, device="cuda")
     kr = torch.tensor([[0, t], [t, 2 * t]], dtype=torch.int32, device="cuda")
     types = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
-    sleep = int(args.transfer_ms * 1.98e6)  # cycles at the H100's 1980 MHz
+    from cuda.bindings import driver as drv
+
+    def raise_flag(stream, value: int) -> None:
+        (err,) = drv.cuStreamWriteValue32(
+            drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(flag.data_ptr()), value, 0
+        )
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+
     want = ffa_forward(q, k, v, qr, kr, types)[0]
     area = t * t / 2 + t * t  # causal local + full remote
     flops = 4 * area * hq * d
@@ -69,9 +82,8 @@ def main() -> None:
     def receive(start):
         side.wait_event(start)
         with torch.cuda.stream(side):
-            torch.cuda._sleep(sleep)
-            kv[t:].copy_(kv_src[t:])
-            flag.fill_(value)
+            kv[t:].copy_(remote_host, non_blocking=True)
+        raise_flag(side, value)
         return side
 
     def plain(start):
@@ -80,7 +92,7 @@ def main() -> None:
 
     def flag_up(start):
         kv[t:].copy_(kv_src[t:])
-        flag.fill_(value)
+        raise_flag(torch.cuda.current_stream(), value)
         return ffa_forward(q, k, v, qr, kr, types, kv_ready=KVReady(flag, value, t))[0]
 
     def in_turn(start):
@@ -97,7 +109,7 @@ def main() -> None:
     for name, body in (("plain", plain), ("flag up", flag_up), ("in turn", in_turn), ("beside", beside)):
         timed(name, body)
     print(
-        f"T {t}, K/V rows {2 * t} (remote {t}), Hq {hq}, Hk {hk}, D {d}, bf16, transfer {args.transfer_ms} ms"
+        f"T {t}, K/V rows {2 * t} (remote {t}, copied from pinned host memory), Hq {hq}, Hk {hk}, D {d}, bf16"
     )
     print("| call | median ms | TFLOP/s | timings ms |\n|---|---|---|---|")
     for name, ms in rows.items():
