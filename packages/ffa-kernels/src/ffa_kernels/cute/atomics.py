@@ -13,11 +13,24 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 
+def _asm(result_type, operands: list, text: str, constraints: str):
+    """One inline PTX statement with side effects (never reordered or dropped by the compiler)."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @dsl_user_op
 def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
     """``ptr[0] += a; ptr[1] += b`` as one 8-byte vector reduction (``red.global.add.v2.f32``,
     sm_90); ``ptr`` must be 8-byte aligned. Fire-and-forget: nothing is returned."""
-    llvm.inline_asm(
+    _asm(
         None,
         [
             ptr.toint(loc=loc, ip=ip).ir_value(),
@@ -26,9 +39,6 @@ def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=Non
         ],
         "red.global.add.v2.f32 [$0], {$1, $2};",
         "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
@@ -38,7 +48,7 @@ def store_pair_16bit(ptr: cute.Pointer, a: Float32, b: Float32, is_bf16: bool, *
     ``ptr`` must be 4-byte aligned. (cvt packs its first operand into the upper half, which is
     ``ptr[1]`` in little-endian order, hence the swapped operands.)"""
     cvt = "bf16x2" if is_bf16 else "f16x2"
-    llvm.inline_asm(
+    _asm(
         None,
         [
             ptr.toint(loc=loc, ip=ip).ir_value(),
@@ -47,41 +57,28 @@ def store_pair_16bit(ptr: cute.Pointer, a: Float32, b: Float32, is_bf16: bool, *
         ],
         f"{{ .reg .b32 t; cvt.rn.{cvt}.f32 t, $2, $1; st.global.b32 [$0], t; }}",
         "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
 @dsl_user_op
-def load_acquire_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
-    """``ptr[0]`` read with acquire semantics at GPU scope (``ld.acquire.gpu``): what another
-    CTA wrote before its matching release is visible after this load."""
-    return Int32(
-        llvm.inline_asm(
-            Int32.mlir_type,
-            [ptr.toint(loc=loc, ip=ip).ir_value()],
-            "ld.acquire.gpu.global.s32 $0, [$1];",
-            "=r,l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+def load_acquire_i32(ptr: cute.Pointer, scope: str = "gpu", *, loc=None, ip=None) -> Int32:
+    """``ptr[0]`` read with acquire semantics at ``scope`` (``ld.acquire.<scope>``): "gpu", what
+    another CTA wrote before its matching release is visible after this load; "sys", also what
+    another GPU, a copy engine or the host made visible before raising the word."""
+    assert scope in ("gpu", "sys"), f"scope: gpu or sys, got {scope!r}"
+    text = f"ld.acquire.{scope}.global.s32 $0, [$1];"
+    return Int32(_asm(Int32.mlir_type, [ptr.toint(loc=loc, ip=ip).ir_value()], text, "=r,l"))
 
 
 @dsl_user_op
 def add_release_i32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
     """``ptr[0] += value`` with release semantics at GPU scope (``red.release.gpu``): everything
     this thread made visible before it is visible to a CTA that acquires the new value."""
-    llvm.inline_asm(
+    _asm(
         None,
         [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
         "red.release.gpu.global.add.s32 [$0], $1;",
         "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
@@ -90,49 +87,22 @@ WAIT_LIMIT_NS = 1 << 36
 
 
 @dsl_user_op
-def load_acquire_sys_i32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
-    """``ptr[0]`` read with acquire semantics at system scope (``ld.acquire.sys``): what another
-    GPU, a copy engine or the host made visible before raising the word is visible after it."""
-    return Int32(
-        llvm.inline_asm(
-            Int32.mlir_type,
-            [ptr.toint(loc=loc, ip=ip).ir_value()],
-            "ld.acquire.sys.global.s32 $0, [$1];",
-            "=r,l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
 def fence_proxy_async_global(*, loc=None, ip=None) -> None:
     """Order this thread's earlier generic-proxy accesses (an acquire) before its later
     async-proxy ones (TMA loads) on global memory (``fence.proxy.async.global``)."""
-    llvm.inline_asm(
-        None, [], "fence.proxy.async.global;", "", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )  # fmt: skip
+    _asm(None, [], "fence.proxy.async.global;", "")
 
 
 @dsl_user_op
 def global_timer_ns(*, loc=None, ip=None) -> Int64:
     """The GPU's global nanosecond timer (``%globaltimer``)."""
-    return Int64(
-        llvm.inline_asm(
-            Int64.mlir_type, [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True,
-            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )  # fmt: skip
+    return Int64(_asm(Int64.mlir_type, [], "mov.u64 $0, %globaltimer;", "=l"))
 
 
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """Abort the launch: the CUDA context is left in error, so the host's next CUDA call raises."""
-    llvm.inline_asm(
-        None, [], "trap;", "", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT
-    )
+    _asm(None, [], "trap;", "")
 
 
 @cute.jit
@@ -142,7 +112,7 @@ def await_flag(ptr: cute.Pointer, value: Int32):
     A flag that has not risen after ``WAIT_LIMIT_NS`` ends the kernel with ``trap``: an error
     on the host, never a hang."""
     start = global_timer_ns()
-    while load_acquire_sys_i32(ptr) < value:
+    while load_acquire_i32(ptr, "sys") < value:
         if global_timer_ns() - start > cutlass.Int64(WAIT_LIMIT_NS):
             trap()
     fence_proxy_async_global()
