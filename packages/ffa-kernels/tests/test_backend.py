@@ -34,7 +34,7 @@ def _fake_cute(with_forward=True, calls=None):
     if with_forward:
 
         def cute_forward(q, k, v, q_ranges, k_ranges, attn_type_map, *, softmax_scale, softcap, sink,
-                         sink_layout, return_max_logits):  # fmt: skip
+                         sink_layout, return_max_logits, kv_ready=None):  # fmt: skip
             if calls is not None:
                 calls.append(dict(fn="forward", softmax_scale=softmax_scale, softcap=softcap, sink=sink,
                                   return_max_logits=return_max_logits, ranges_dtype=q_ranges.dtype,

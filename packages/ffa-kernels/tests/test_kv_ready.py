@@ -37,6 +37,30 @@ def test_a_flag_below_its_value_on_the_cpu_is_an_error_unless_no_row_is_late():
     ffa_forward(q, k, v, qr, kr, tm, kv_ready=(flag, 3, 56))  # first_row == Tk: nothing is late
 
 
+def test_numpy_and_torch_integers_are_taken():
+    np = pytest.importorskip("numpy")
+    q, k, v, qr, kr, tm = _inputs()
+    plain = ffa_forward(q, k, v, qr, kr, tm)
+    got = ffa_forward(
+        q, k, v, qr, kr, tm, kv_ready=(torch.tensor([4], dtype=I32), np.int64(4), torch.tensor(9))
+    )
+    assert torch.equal(got[0], plain[0])
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_late_rows_must_be_read_in_place(which):
+    """A k or v the call would copy first (here: rows whose heads are not contiguous) is refused:
+    the copy would read the late rows before they arrive."""
+    q, k, v, qr, kr, tm = _inputs()
+    t = {"k": k, "v": v}[which]
+    strided = t.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, heads not dense
+    args = dict(k=k, v=v) | {which: strided}
+    flag = torch.tensor([1], dtype=I32)
+    with pytest.raises(ValueError, match=rf"kv_ready: {which} must be read in place .*got strides"):
+        ffa_forward(q, args["k"], args["v"], qr, kr, tm, kv_ready=(flag, 1, 20))
+    ffa_forward(q, args["k"], args["v"], qr, kr, tm, kv_ready=(flag, 1, 56))  # nothing late: any layout
+
+
 @pytest.mark.parametrize(
     "ready, exc, pattern",
     [
@@ -44,7 +68,7 @@ def test_a_flag_below_its_value_on_the_cpu_is_an_error_unless_no_row_is_late():
         ((torch.zeros(1, dtype=I32), 0), TypeError, r"kv_ready: expected KVReady"),
         ((torch.zeros(1), 0, 0), TypeError, r"kv_ready\.flag: .*float32 tensor of 1 elements"),
         ((torch.zeros(0, dtype=I32), 0, 0), TypeError, r"kv_ready\.flag: .*0 elements"),
-        ((3, 0, 0), TypeError, r"kv_ready\.flag: .*int"),
+        ((3, 0, 0), TypeError, r"kv_ready\.flag: .*got int$"),
         (
             (torch.zeros(1, dtype=I32), -1, 0),
             ValueError,

@@ -122,7 +122,7 @@ def _kernel_forward(
         sink=sink,
         sink_layout=sink_layout,
         return_max_logits=return_max_logits,
-        **({} if kv_ready is None else {"kv_ready": kv_ready}),
+        kv_ready=kv_ready,
     )
 
 
@@ -178,7 +178,7 @@ def _forward_whole(
             return _kernel_forward(cute, args, sink, sink_layout, return_max_logits, kv_ready)
         except NotImplementedError as exc:
             _kernel_declined(exc)
-    wait_on_stream(kv_ready, args.k.shape[0])
+    wait_on_stream(kv_ready)
     out_acc, lse_acc, max_acc = forward_accumulators(
         args.q, max_logits=return_max_logits, head_dim_v=args.v.shape[2]
     )
@@ -367,9 +367,13 @@ def ffa_forward(
             rows ``first_row:`` may still be arriving when the call is issued (another stream,
             a copy engine or a peer GPU writes them); they are read only once the int32
             ``flag[0]`` holds ``value`` or more (acquire at system scope), the rows before them
-            at once. The writer raises the word once the rows are complete. The kernel waits
-            in its load warp, each CTA at most once, at most about 69 s (then the launch ends
-            with an error); the reference backend makes the stream wait before it starts.
+            at once. The writer raises the word once the rows are complete (its values stay in
+            ``[0, 2**31)``) and must need no SM for it: the waiting kernel may hold them all (a
+            copy engine, a stream write). k and v must be read in place (dense rows a multiple
+            of 16 bytes apart, 16-byte aligned): a copy would read the late rows early. The
+            kernel waits in its load warp, each CTA at most once, at most about 69 s (then the
+            launch ends with an error); the reference backend makes the stream wait, and its
+            input checks then block the host until the flag holds (enqueue the writer first).
 
     Returns:
         ``(out, lse, max_logits)``: out ``(Tq, Hq, Dv)`` in q's dtype; lse ``(Tq, Hq)`` after sink
@@ -379,7 +383,7 @@ def ffa_forward(
     args = validate_attn_args(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale, softcap)
     sink = check_sink(sink, sink_layout, args.q)
     check_bool("return_max_logits", return_max_logits)
-    ready = check_kv_ready(kv_ready, args.k)
+    ready = check_kv_ready(kv_ready, k, v)  # the caller's tensors: a copy would read rows early
     out, lse, max_logits = _forward_whole(args, sink, sink_layout, return_max_logits, ready)
     return out.to(args.q.dtype), lse, max_logits
 

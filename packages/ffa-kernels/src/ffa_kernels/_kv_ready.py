@@ -5,14 +5,18 @@ A caller that receives part of K/V from elsewhere (magi-dist's remote rows, writ
 engine or a peer GPU) can issue the forward before they are complete: the kernel reads the rows
 from ``first_row`` on only after the int32 word ``flag`` holds at least ``value``, and the rows
 before them at once. Whoever writes the rows raises the word once they are complete and
-visible (a stream write after the copy on its stream, a release store by a peer).
+visible (a stream write after the copy on its stream, a release store by a peer), and must need
+no SM to do so: the waiting kernel may hold every SM.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
+
+from ._validate import has_dense_rows
 
 __all__ = ["KVReady", "check_kv_ready", "wait_on_stream"]
 
@@ -21,7 +25,9 @@ class KVReady(NamedTuple):
     """Where and when the late key/value rows of a forward call are complete.
 
     Attributes:
-        flag: int32 tensor (at least one element) on k's device: its first element is the word.
+        flag: int32 tensor (at least one element) on k's device: its first element is the word,
+            whose values stay in ``[0, 2**31)`` (the kernel compares them signed, the
+            reference's stream wait cyclically: the two agree there).
         value: the word's value, in ``[0, 2**31)``, from which rows ``first_row:`` are complete.
         first_row: the first late row, in ``[0, Tk]`` (``Tk``: nothing is late).
     """
@@ -31,9 +37,12 @@ class KVReady(NamedTuple):
     first_row: int
 
 
-def check_kv_ready(kv_ready, k: torch.Tensor) -> KVReady | None:
-    """``kv_ready`` as a `KVReady` (a 3-tuple is taken), checked against k ``(Tk, Hk, D)``;
-    None stays None. Raises TypeError / ValueError naming ``kv_ready`` and the field."""
+def check_kv_ready(kv_ready, k: torch.Tensor, v: torch.Tensor) -> KVReady | None:
+    """``kv_ready`` as a `KVReady` (a 3-tuple is taken), checked against the caller's k
+    ``(Tk, Hk, D)`` and v; None, and a call with no late row (``first_row == Tk``), give None.
+    k and v must be read where they lie (dense rows a multiple of 16 bytes apart, 16-byte
+    aligned bases): a copy made before the kernel would read the late rows before they arrive.
+    Raises TypeError / ValueError naming ``kv_ready`` and the field."""
     if kv_ready is None:
         return None
     if not isinstance(kv_ready, tuple) or len(kv_ready) != 3:
@@ -43,29 +52,48 @@ def check_kv_ready(kv_ready, k: torch.Tensor) -> KVReady | None:
         seen = (
             f"{flag.dtype} tensor of {flag.numel()} elements"
             if isinstance(flag, torch.Tensor)
-            else type(flag)
+            else type(flag).__name__
         )
         raise TypeError(f"kv_ready.flag: expected an int32 tensor of at least one element, got {seen}")
     if flag.device != k.device:
         raise ValueError(f"kv_ready.flag: must be on k's device {k.device}, got {flag.device}")
-    for name, v, hi in (("value", value, 2**31 - 1), ("first_row", first_row, k.shape[0])):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"kv_ready.{name}: expected an int, got {type(v).__name__}")
-        if not 0 <= v <= hi:
-            raise ValueError(f"kv_ready.{name}: must lie in [0, {hi}], got {v}")
+    value = _index("value", value, 2**31 - 1)
+    first_row = _index("first_row", first_row, k.shape[0])
+    if first_row == k.shape[0]:
+        return None
+    for name, t in (("k", k), ("v", v)):
+        if not (has_dense_rows(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0):
+            raise ValueError(
+                f"kv_ready: {name} must be read in place (dense rows a multiple of 16 bytes apart, "
+                f"a 16-byte aligned base), got strides {tuple(t.stride())} at address {t.data_ptr():#x}"
+            )
     return KVReady(flag, value, first_row)
 
 
-def wait_on_stream(kv_ready: KVReady | None, total_k: int) -> None:
-    """What the reference backend does instead of the kernel's wait (k has ``total_k`` rows):
-    on CUDA, the current stream waits until the word is >= ``value`` (``cuStreamWaitValue32``;
-    needs cuda-python); on the CPU, where nothing runs beside the call, the word must hold it
-    already. Nothing when no row is late."""
-    if kv_ready is None or kv_ready.first_row >= total_k:
+def _index(name: str, x, hi: int) -> int:
+    """``x`` as an int in ``[0, hi]`` (any integer type but bool), else an error naming it."""
+    if isinstance(x, bool):
+        raise TypeError(f"kv_ready.{name}: expected an int, got bool")
+    try:
+        i = operator.index(x)
+    except TypeError:
+        raise TypeError(f"kv_ready.{name}: expected an int, got {type(x).__name__}") from None
+    if not 0 <= i <= hi:
+        raise ValueError(f"kv_ready.{name}: must lie in [0, {hi}], got {i}")
+    return i
+
+
+def wait_on_stream(kv_ready: KVReady | None) -> None:
+    """What the reference backend does instead of the kernel's wait: on CUDA, the current stream
+    waits until the word is >= ``value`` (``cuStreamWaitValue32``; needs cuda-python), and the
+    reference's input checks then block the host until it does, so the writer must be enqueued
+    before the call; on the CPU, where nothing runs beside the call, the word must hold it
+    already."""
+    if kv_ready is None:
         return
     flag = kv_ready.flag
     if flag.device.type != "cuda":
-        seen = int(flag.view(-1)[0])
+        seen = int(flag.reshape(-1)[0])
         if seen < kv_ready.value:
             raise ValueError(
                 f"kv_ready.flag: holds {seen} < value {kv_ready.value} on the CPU, where nothing "

@@ -424,11 +424,9 @@ def cute_forward(
 ):
     """sm90 CuTe DSL forward. q (Tq,Hq,D), k (Tk,Hk,D), v (Tk,Hk,Dv) with (D, Dv) one of
     ``SUPPORTED_HEAD_DIMS["forward"]``. Returns (out (Tq,Hq,Dv) q.dtype, lse f32 (Tq,Hq),
-    max_logits f32 (Hq,) | None). ``kv_ready`` (checked by `_kv_ready.check_kv_ready`): rows
-    from its ``first_row`` on are read only once its flag holds ``value`` (the ``wait_kv``
-    kernel; a call with no late row takes the plain one)."""
-    if kv_ready is not None and kv_ready.first_row >= k.shape[0]:
-        kv_ready = None  # no row is late
+    max_logits f32 (Hq,) | None). ``kv_ready`` (checked by `_kv_ready.check_kv_ready`, which
+    gives None where no row is late): rows from its ``first_row`` on are read only once its
+    flag holds ``value`` (the ``wait_kv`` kernel)."""
     rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, _ = q.shape
     total_k = k.shape[0]
