@@ -1,8 +1,9 @@
 """The forward kernel's argument list, and the per-call host path that feeds it.
 
 The compiled kernel takes 25 arguments: 10 global-memory pointers, 8 int32 sizes, 3 float32
-scales, an int32 flag word, the two int32 of the wait for late key/value rows and a CUDA stream. ``ARG_SPEC`` names their kinds once; the compile
-placeholders and both launchers below are derived from it.
+scales, an int32 flag word, the two int32 of the wait for late key/value rows and a CUDA
+stream. ``arg_spec`` names their kinds once; the compile placeholders and both launchers below
+are derived from it.
 
 Why a launcher of our own: calling a compiled CuTe DSL function marshals every argument anew
 (a DSL object per pointer and scalar, adapters, type casts, then a list of the addresses of C
