@@ -1,11 +1,13 @@
 """The forward with late key/value rows (``ffa_forward(kv_ready=...)``) on one GPU: what the wait
 costs, and what it overlaps.
 
-    source .dk/bin/env.sh && python tools/bench_kv_ready.py [--tokens 32768]
+    source .dk/bin/env.sh && python tools/bench_kv_ready.py [--tokens 32768] [--remote all|half]
 
 A cp-like call: q has T tokens, K/V have 2T rows, ``[local; remote]``; q attends to the local
-keys causally and to the remote ones fully (a later rank's view of one causal document at cp 2),
-the local slice listed first. Hq 32, Hk 8, D 128, bf16. Timed (CUDA events, median of rounds, the four calls in turn each round):
+keys causally and (``--remote all``) every q row to the remote ones fully (a later rank's view
+of one causal document at cp 2) or (``half``) only the second half of q (the first half's tiles
+read local rows only: the forward with ``kv_ready`` runs them first), the local slice listed
+first. Hq 32, Hk 8, D 128, bf16. Timed (CUDA events, median of rounds, the four calls in turn each round):
 
 * plain: the forward over complete rows;
 * flag up: the same with ``kv_ready`` whose flag holds already (the ``wait_kv`` kernel's cost);
@@ -37,6 +39,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768, help="q tokens (K/V rows: twice as many)")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument(
+        "--remote", choices=("all", "half"), default="all", help="the q rows that see remote keys"
+    )
     args = ap.parse_args()
     t, hq, hk, d = args.tokens, 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -45,7 +50,8 @@ def main() -> None:
     kv = kv_src.clone()
     remote_host = kv_src[t:].cpu().pin_memory()
     k, v = kv[:, 0], kv[:, 1]
-    qr = torch.tensor([[0, t], [0, t]], dtype=torch.int32, device="cuda")
+    r0 = 0 if args.remote == "all" else t // 2
+    qr = torch.tensor([[0, t], [r0, t]], dtype=torch.int32, device="cuda")
     kr = torch.tensor([[0, t], [t, 2 * t]], dtype=torch.int32, device="cuda")
     types = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -59,7 +65,7 @@ def main() -> None:
         assert err == drv.CUresult.CUDA_SUCCESS, err
 
     want = ffa_forward(q, k, v, qr, kr, types)[0]
-    area = t * t / 2 + t * t  # causal local + full remote
+    area = t * t / 2 + (t - r0) * t  # causal local + full remote
     flops = 4 * area * hq * d
     rows: dict[str, list[float]] = {}
     value = 0
@@ -110,7 +116,7 @@ def main() -> None:
         for name, body in (("plain", plain), ("flag up", flag_up), ("in turn", in_turn), ("beside", beside)):
             timed(name, body, keep=r >= 2)
     print(
-        f"T {t}, K/V rows {2 * t} (remote {t}, copied from pinned host memory), Hq {hq}, Hk {hk}, D {d}, bf16"
+        f"T {t}, K/V rows {2 * t} (remote {t}, copied from pinned host memory; q rows {r0}: on see them), Hq {hq}, Hk {hk}, D {d}, bf16"
     )
     print("| call | median ms | TFLOP/s | timings ms |\n|---|---|---|---|")
     for name, ms in rows.items():
