@@ -1009,35 +1009,3 @@ def test_compile_wait_kv_variants(d, dv, dt, softcap, g, tmp_path, monkeypatch):
     compile_cache.forget(key)
     fn = interface.get_kernel(dt, cfg, softcap, pack=g, wait_kv=True, use_disk_cache=False)
     assert_packed_launch_equals_dsl(fn, dt, False)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_local_first_puts_the_tiles_that_cannot_wait_first(seed):
-    """`tile_plan.local_first` (the forward with late key rows): the work tiles whose blocks all
-    lie before ``first_row`` come first, the others after them, each part in the plan's order
-    (a permutation of the same rows)."""
-    from ffa_kernels.cute.tile_plan import get_plan, local_first
-
-    rng = random.Random(seed)
-    tq, tk = 1500, 2600
-    qr, kr, types = testing.grid_slices(rng, tq, tk, 12, density=0.4)
-    q_ranges = torch.tensor(qr, dtype=torch.int32).reshape(-1, 2)
-    k_ranges = torch.tensor(kr, dtype=torch.int32).reshape(-1, 2)
-    plan = get_plan(
-        q_ranges, k_ranges, torch.tensor(types, dtype=torch.int32), tq, 128, 128, torch.device("cpu")
-    )
-    first_row = rng.randrange(1, tk)
-    ordered = local_first(plan, first_row, 128)
-    rows = lambda w: [tuple(r) for r in w.tolist()]  # noqa: E731
-    assert sorted(rows(ordered.work)) == sorted(rows(plan.work))
-    ent = plan.entries.tolist()
-
-    def waits(r):
-        return any(ent[e][0] + ent[e][1] * 128 > first_row for e in range(r[1], r[2]))
-
-    flags = [waits(r) for r in rows(ordered.work)]
-    assert flags == sorted(flags), "a tile that may wait comes before one that cannot"
-    for part in (False, True):
-        want = [r for r in rows(plan.work) if waits(r) == part]
-        assert [r for r, f in zip(rows(ordered.work), flags) if f == part] == want
-    assert 0 < sum(flags) < len(flags) or seed, (first_row, flags)  # both parts seen (seed 0)

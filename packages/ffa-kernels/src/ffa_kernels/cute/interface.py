@@ -18,7 +18,7 @@ from .._validate import check_accumulator, has_dense_rows
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, current_stream_handle, make_launcher
-from .tile_plan import TilePlan, get_plan, local_first
+from .tile_plan import TilePlan, get_plan
 
 logger = logging.getLogger(__name__)
 
@@ -426,9 +426,7 @@ def cute_forward(
     ``SUPPORTED_HEAD_DIMS["forward"]``. Returns (out (Tq,Hq,Dv) q.dtype, lse f32 (Tq,Hq),
     max_logits f32 (Hq,) | None). ``kv_ready`` (checked by `_kv_ready.check_kv_ready`, which
     gives None where no row is late): rows from its ``first_row`` on are read only once its
-    flag holds ``value`` (the ``wait_kv`` kernel), and the CTAs that read none of them run first
-    over every head (`tile_plan.local_first`, one head group of all heads: a CTA that waits
-    holds its SM, so the others must not queue behind it)."""
+    flag holds ``value`` (the ``wait_kv`` kernel)."""
     rt, cfg, softmax_scale, softcap = _prepare(q, v, softmax_scale, softcap, config)
     total_q, hq, _ = q.shape
     total_k = k.shape[0]
@@ -450,9 +448,6 @@ def cute_forward(
             lse.fill_(float("-inf"))
         return out, lse, max_logits
     flags = (rt.flag_sink if sink_lse is not None else 0) | (rt.flag_ml if return_max_logits else 0)
-    if kv_ready is not None:
-        plan = local_first(plan, kv_ready.first_row, cfg.tile_n)
-        head_group = hq if head_group is None else head_group
     _launch(
         rt,
         False,

@@ -31,7 +31,6 @@ key tiles as work tiles, q blocks as their entries' blocks; key tiles with no en
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -211,20 +210,6 @@ def build_band_plan(
         entries.to(torch.int32).contiguous(),
         int(blk_cnt.sum()),
     )
-
-
-def local_first(plan: TilePlan, first_row: int, tile_n: int) -> TilePlan:
-    """``plan`` with the work tiles whose blocks all lie before key row ``first_row`` first and
-    the others (those that may wait for late rows, `ffa_forward`'s ``kv_ready``) after them, each
-    part in its own order: while the late rows travel, the CTAs that cannot wait for them run.
-    On the plan's device, with no host sync."""
-    ent = plan.entries[: plan.num_entries].to(torch.int64)
-    late = (ent[:, 0] + ent[:, 1] * tile_n > first_row).to(torch.int64)
-    ends = torch.cat([late.new_zeros(1), torch.cumsum(late, 0)])
-    work = plan.work
-    waits = ends[work[:, 2].to(torch.int64)] - ends[work[:, 1].to(torch.int64)] > 0
-    order = torch.argsort(waits.to(torch.int8), stable=True)
-    return dataclasses.replace(plan, work=work[order].contiguous())
 
 
 def build_plan_cpu(
