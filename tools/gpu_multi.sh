@@ -68,6 +68,15 @@ COMMS=${COMMS:-a2av native}
 DEGREES=${DEGREES:-0 2}
 TOTALS=${TOTALS:-65536 131072}
 
+# fits PART MIN N: whether N GPUs, at least MIN, are here; if not, says so (the part is skipped)
+fits() {
+  local part=$1 min=$2 n=$3
+  if (( n < min || n > ngpu )); then
+    echo "$part: needs NPROC between $min and the $ngpu GPUs found, got $n (skipped)"
+    return 1
+  fi
+}
+
 # step LOG N SECONDS CMD...: run CMD under `timeout SECONDS` with its output in $out/LOG, show its
 # last N lines (without the CuTe DSL's argument dumps); a failure or a timeout sets rc=1.
 step() {
@@ -172,9 +181,7 @@ if [[ $what == trace-step ]]; then
 fi
 if [[ $what == cp-step ]]; then
   nproc=${NPROC:-$ngpu}
-  if (( nproc < 4 || nproc > ngpu )); then
-    echo "cp-step: needs NPROC between 4 and the $ngpu GPUs found, got $nproc (skipped)"
-  else
+  if fits cp-step 4 "$nproc"; then
     for tpg in ${TOKENS_PER_GPU:-16384}; do
       on_gpus "$nproc" "bench_step_cp${nproc}_${tpg}.log" 560 --step --degree 0 --tokens-per-gpu "$tpg" \
         --masks "${MASKS:-varlen_causal,varlen_full}" --alternate "${ALTERNATE:-2}"
@@ -192,9 +199,7 @@ if [[ $what == copy-engine ]]; then
 fi
 if [[ $what == split-ab ]]; then
   nproc=${NPROC:-4}
-  if (( nproc > ngpu )); then
-    echo "split-ab: needs NPROC <= the $ngpu GPUs found, got $nproc (skipped)"
-  else
+  if fits split-ab 1 "$nproc"; then
     step "step_ab_split_cp${nproc}.log" 40 560 env MAGI_COMM_BACKEND=native torchrun --standalone \
       --nproc-per-node "$nproc" tools/step_ab.py --setting split:MAGI_DIST_BWD_SPLIT=1 \
       --setting nosplit:MAGI_DIST_BWD_SPLIT=0 --masks varlen_causal,varlen_full,causal --totals $TOTALS \
