@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._validate import has_dense_rows
+from ._validate import reads_in_place
 
 __all__ = ["KVReady", "check_kv_ready", "wait_on_stream"]
 
@@ -62,7 +62,7 @@ def check_kv_ready(kv_ready, k: torch.Tensor, v: torch.Tensor) -> KVReady | None
     if first_row == k.shape[0]:
         return None
     for name, t in (("k", k), ("v", v)):
-        if not (has_dense_rows(t) and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0):
+        if not reads_in_place(t):
             raise ValueError(
                 f"kv_ready: {name} must be read in place (dense rows a multiple of 16 bytes apart, "
                 f"a 16-byte aligned base), got strides {tuple(t.stride())} at address {t.data_ptr():#x}"

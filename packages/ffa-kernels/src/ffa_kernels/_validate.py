@@ -145,6 +145,19 @@ def has_dense_rows(t: torch.Tensor) -> bool:
     return st[2] == 1 and (st[1] == d or h == 1) and st[0] >= h * d
 
 
+def reads_in_place(t: torch.Tensor) -> bool:
+    """Whether the sm90 kernels read K or V ``t`` where it lies: dense rows (`has_dense_rows`)
+    a multiple of 16 bytes apart (a stride that fits an int32) and a 16-byte aligned base (TMA);
+    anything else is copied first."""
+    stride = t.stride(0)
+    return (
+        has_dense_rows(t)
+        and stride < 2**31
+        and stride * t.element_size() % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it `has_dense_rows`, else a contiguous copy."""
     return t if has_dense_rows(t) else t.contiguous()

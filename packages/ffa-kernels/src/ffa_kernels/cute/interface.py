@@ -14,7 +14,7 @@ import torch
 
 from .._kv_ready import KVReady
 from .._sink import sink_lse
-from .._validate import check_accumulator, has_dense_rows
+from .._validate import check_accumulator, reads_in_place
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
 from .config import FWD_HEAD_DIMS, HEAD_GROUP_SHIFT, FwdConfig, default_config
 from .kernel_args import ACCUMULATOR_ALIGN, arg_spec, current_stream_handle, make_launcher
@@ -332,18 +332,11 @@ def _aligned16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_in_place(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(t, row stride in elements)`` as the kernels read K or V: dense rows
-    (`has_dense_rows`) a multiple of 16 bytes apart and a 16-byte aligned base are read in place
-    (packed K/V views among them), anything else is copied to a contiguous tensor first. K and
-    V are taken each on its own (their row strides are separate kernel arguments)."""
-    stride = t.stride(0)
-    if (
-        has_dense_rows(t)
-        and stride < 2**31
-        and stride * t.element_size() % 16 == 0
-        and t.data_ptr() % 16 == 0
-    ):
-        return t, stride
+    """``(t, row stride in elements)`` as the kernels read K or V: in place where it can
+    (`reads_in_place`: packed K/V views among them), else a contiguous copy first. K and V are
+    taken each on its own (their row strides are separate kernel arguments)."""
+    if reads_in_place(t):
+        return t, t.stride(0)
     return _aligned16(t.contiguous()), t.shape[1] * t.shape[2]
 
 
