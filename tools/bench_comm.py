@@ -230,7 +230,9 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
     """torch.profiler timeline (CPU and GPU) of ``iters`` calls: a table on rank 0, and Chrome
     traces ``comm_trace_<name>_rank<r>.json`` in $OUT (or the working directory). ``ahead``: the
     calls host ahead, as :func:`timed` makes them (the GPU sleeps while the host enqueues them,
-    the ranks' streams start together); every rank then prints its kernels (:func:`kernel_times`)."""
+    the ranks' streams start together); every rank then prints its trace's summary per call
+    (`trace_summary.summarize`, without the sleep and NCCL's start line: the window is the
+    call's period, the streams' busy time its kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -245,53 +247,26 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
             fn()
         torch.cuda.synchronize()
     dist.barrier()
-    out = os.environ.get("OUT", ".")
-    prof.export_chrome_trace(os.path.join(out, f"comm_trace_{name}_rank{rank}.json"))
+    path = os.path.join(os.environ.get("OUT", "."), f"comm_trace_{name}_rank{rank}.json")
+    prof.export_chrome_trace(path)
     if rank == 0 and not ahead:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
     if ahead:
-        lines = kernel_times(prof, iters)
+        import json
+
+        import trace_summary
+
+        with open(path) as f:
+            events = [
+                e
+                for e in trace_summary.gpu_events(json.load(f))
+                if "spin_kernel" not in e.name and "nccl" not in e.name  # torch.cuda._sleep, the start line
+            ]
         for r in range(dist.get_world_size()):
             if r == rank:
-                print(f"-- {name} rank {rank}, host ahead, {iters} calls:\n" + "\n".join(lines), flush=True)
+                report = trace_summary.summarize(events, steps=iters, top=4, gaps=0)
+                print(f"-- {name} rank {rank}, host ahead, {iters} calls:\n{report}", flush=True)
             dist.barrier()
-
-
-def kernel_times(prof, iters: int) -> list[str]:
-    """Per kernel of a host-ahead trace (the sleep and NCCL's start line left out): launches,
-    median and largest duration in us; then the call's period (median from one start of the
-    kernel launched ``iters`` times, the longest such, to its next) and the gap around it."""
-    import statistics
-
-    from torch.autograd import DeviceType
-
-    evs = sorted(
-        (
-            e
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA and "sleep" not in e.name and "nccl" not in e.name
-        ),
-        key=lambda e: e.time_range.start,
-    )
-    by: dict[str, list] = {}
-    for e in evs:
-        by.setdefault(e.name, []).append(e)
-    lines = []
-    for kname, es in sorted(by.items(), key=lambda kv: -sum(e.time_range.elapsed_us() for e in kv[1])):
-        d = [e.time_range.elapsed_us() for e in es]
-        lines.append(
-            f"  {len(es):4d} x {statistics.median(d):8.1f} us median, {max(d):8.1f} max  {kname[:90]}"
-        )
-    per_call = [es for es in by.values() if len(es) == iters]
-    if per_call:
-        main = max(per_call, key=lambda es: sum(e.time_range.elapsed_us() for e in es))
-        starts = [e.time_range.start for e in main]
-        period = statistics.median(b - a for a, b in zip(starts, starts[1:]))
-        dur = statistics.median(e.time_range.elapsed_us() for e in main[1:])
-        lines.append(
-            f"  period {period:.1f} us a call; its longest kernel {dur:.1f} us; the rest {period - dur:.1f} us"
-        )
-    return lines
 
 
 @dataclasses.dataclass
