@@ -31,6 +31,7 @@ import argparse
 import statistics
 
 import torch
+from bench_pull_floor import memops
 
 from ffa_kernels import KVReady, ffa_forward
 
@@ -56,13 +57,10 @@ def main() -> None:
     types = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
-    from cuda.bindings import driver as drv
+    write, _ = memops()  # stream memory operations: no SM (see above)
 
     def raise_flag(stream, value: int) -> None:
-        (err,) = drv.cuStreamWriteValue32(
-            drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(flag.data_ptr()), value, 0
-        )
-        assert err == drv.CUresult.CUDA_SUCCESS, err
+        write(stream, flag.data_ptr(), value)
 
     want = ffa_forward(q, k, v, qr, kr, types)[0]
     area = t * t / 2 + (t - r0) * t  # causal local + full remote

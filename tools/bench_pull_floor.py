@@ -108,7 +108,7 @@ def await_word(ptr, value):
         f = tl.load(ptr, volatile=True)
 
 
-def _memops():
+def memops():
     """``(write, wait)``: stream memory operations on 32-bit words (cuda.bindings)."""
     from cuda.bindings import driver as drv
 
@@ -150,7 +150,7 @@ def reset(flags: torch.Tensor) -> None:
 
 def round_trips(flags: torch.Tensor, peer_flags: torch.Tensor, rank: int, timed, log) -> None:
     """Signal round trips: stream memory operations, a kernel each way, one looping kernel."""
-    write, wait = _memops()
+    write, wait = memops()
     count = [0]
 
     def memop():
