@@ -73,7 +73,9 @@ def test_forward_waits_for_late_rows(hq, hk, d, dv, softcap, first_row):
 
 
 @pytest.mark.sm90
-def test_no_late_row_is_the_plain_kernel():
+def test_no_late_row_never_waits():
+    """``first_row == Tk``: nothing is late, so a flag that never rises stops nothing (a wait
+    would end the launch at the bound)."""
     pytest.importorskip("cutlass")
     q, k, v, qr, kr, types = _case(1024, 2048, 4, 2, 128, 128)
     want = ffa_forward(q, k, v, qr, kr, types)

@@ -23,8 +23,9 @@ __all__ = ["ONE_LAUNCH_PROGRAMS", "ReducePath"]
 
 # programs of a one-launch reduction (they stride over its tiles): each acquires its source's
 # READY once. Taken from tools/bench_pull_floor.py's plain pull + add on 2x H100 (2112 programs:
-# level with one per tile alone, 3-5% less time in one launch at 16 MiB; docs/perf.md); not swept
-# for the fused reduction itself (`gpu_multi.sh one-launch` does)
+# level with one per tile alone, 3-5% less time in one launch at 16 MiB); the fused reduction's
+# own sweep (`gpu_multi.sh one-launch`, docs/perf.md): 1024 1-2% faster in one run, 8192 and a
+# program per tile slower
 ONE_LAUNCH_PROGRAMS = 2048
 
 
