@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-GPU checks and benchmarks of the distributed training step, run on a machine with 2, 4 or
 # 8 GPUs after the kit is booted (one part per call keeps each under 10 minutes):
-#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|split-ab|copy-engine|one-launch|pulled-step
+#   source .dk/bin/env.sh && bash tools/gpu_multi.sh tests|train|fail|bench-fwd|bench-step|comm|cp-rows|all|switches|reduce-sweep|trace-step|cp-step|split-ab|copy-engine|one-launch|pulled-step|known-arms
 # Logs go to $OUT (or ./gpu_logs), one file per step; every step runs under `timeout`; a failing
 # or timed-out step makes the script exit 1 (the others still run). NVLink multicast stays off
 # (env.sh sets NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1).
@@ -49,6 +49,10 @@
 #               launch on 2 ranks"): gpu_native_check.py, then bench_comm at 16 and 64 MiB per
 #               grid of the one-launch reduction (MAGI_COMM_NATIVE_REDUCE_PROGRAMS: 0 = its
 #               default, 1000000 = a program per tile, 8192, 1024) and with one launch off
+#   known-arms  (not in all) the one-launch reduce publishing without the arm it knows (magi-comm
+#               native.md, "The arm known"): gpu_native_check.py, then bench_comm at 16 and 64 MiB
+#               with MAGI_COMM_NATIVE_KNOWN_ARMS=1 and 0 in turn, twice, and once on with the
+#               one-launch grid of 1024 programs
 #   pulled-step (not in all) the cp 2 step with pulled partials (their reduce in one launch)
 #               against plain ones in turns (tools/step_ab.py, MAGI_DIST_SYMMETRIC_PARTIALS_MB=4096;
 #               varlen causal and varlen full, TOTALS)
@@ -213,6 +217,17 @@ if [[ $what == one-launch ]]; then
     name=${setting,,}  # no '=' in the log's name: the device tool does not return such files
     step "bench_comm_${name//=/_}.log" 10 200 env "MAGI_COMM_NATIVE_$setting" $run2 tools/bench_comm.py --sizes 16,64
   done
+fi
+if [[ $what == known-arms ]]; then
+  step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
+  for turn in 1 2; do
+    for known in 1 0; do
+      step "bench_comm_known${known}_${turn}.log" 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=$known $run2 \
+        tools/bench_comm.py --sizes 16,64
+    done
+  done
+  step bench_comm_known1_programs1024.log 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=1024 $run2 \
+    tools/bench_comm.py --sizes 16,64
 fi
 if [[ $what == pulled-step ]]; then
   step step_ab_pulled_cp2.log 40 420 env MAGI_COMM_BACKEND=native NVSHMEM_SYMMETRIC_SIZE=8G $run2 tools/step_ab.py \

@@ -108,6 +108,12 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
         CopyLaunch=Both, launch_reduce=reduce_both, reduce_tile_rows=kernels.reduce_tile_rows
     )
     small = cases.draw(world, 100 + world, 24, big=False)
+    every = (1 << world) - 1
+    pulled = [
+        dict(c, op="sum", dtype="float32", row_shape=(4, 16), pull=True, pull_bits=every, lead=0)
+        for c in small
+        if c["kind"] == "reduce"
+    ][:4]
 
     def rank_fn(rank):
         overlap = NativeConfig(
@@ -115,6 +121,9 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
         )
         with NativeBackend("group", rank, world, NativeConfig(buffer_bytes=1 << 20)) as be:
             for case in small:
+                cases.run(be, case, rank, world)
+            # reduces from symmetric inputs back to back: on 2 ranks the later ones know the arm
+            for case in pulled:
                 cases.run(be, case, rank, world)
             with NativeBackend("group", rank, world, overlap) as be2:  # progress and waiting variants
                 for case in small:
@@ -133,6 +142,8 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert fw.reduce_shapes == {(4, 8)}, fw.reduce_shapes
     # on 2 ranks some reduces from symmetric inputs took one launch (its start steps compiled)
     assert (fw.one_launch_reduces > 0) == (world == 2), fw.one_launch_reduces
+    # and some of them knew the peer's arm (a negative packed word compiled alike)
+    assert (fw.known_arms > 0) == (world == 2), fw.known_arms
 
 
 def _capture_ptx(monkeypatch) -> list[str]:
@@ -270,3 +281,26 @@ def test_a_waiting_reduction_refuses_another_tile():
     with pytest.raises(ValueError, match="tile_rows"):
         kernels.launch_reduce(out, out, None, rows, rows.to(torch.int8), torch.ones(n, dtype=torch.int64),
                               acc_reduce=False, average=False, waits=waits, tile_rows=4)  # fmt: skip
+
+
+def test_a_known_arm_is_for_the_one_launch_reduce_only(monkeypatch):
+    """A packed word with the arm known keeps its counts (the sign bit carries the flag), is
+    refused for a source-only word, and a copy launch refuses it before compiling: its start
+    would skip the arm wait with no check at its end."""
+    from magi_comm.backends.native.layout import TaskTable, to_blocks
+
+    word = proto.pack_peer(7, 3, True, known=True)
+    assert proto.arm_known(word) and word < 0 and proto.unpack_peer(word) == (7, 3, True)
+    assert not proto.arm_known(proto.pack_peer(7, 3, True))
+    with pytest.raises(ValueError, match="known"):
+        proto.pack_peer(0, 3, known=True)
+    ptx = _capture_ptx(monkeypatch)
+    n = 64
+    words = torch.zeros(64, dtype=torch.int64)
+    buf = torch.zeros(2 * n, dtype=torch.int64)
+    hs = proto.Handshake(words.data_ptr(), words.data_ptr(), words.data_ptr(), 1)
+    task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]]))
+    send = kernels.CopyLaunch(to_blocks(task, 1, 16), [buf.data_ptr(), None], torch.int64, handshake=hs)
+    with pytest.raises(ValueError, match="one-launch reduce only"):
+        send(buf.data_ptr(), buf.data_ptr() + 8 * n, sync=proto.ARM_AND_WAIT, words=(word, proto.pack_peer()))
+    assert not ptx

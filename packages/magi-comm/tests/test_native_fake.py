@@ -368,13 +368,15 @@ _SWITCHES = [  # (variable, NativeConfig field, value or None for unset, the fie
       ((None, False), ("1", True), ("0", False), ("off", False), ("yes", True))],
     *[("ENV_ONE_LAUNCH_PULL", "one_launch_pull", v, on) for v, on in
       ((None, True), ("1", True), ("0", False), ("off", False))],
+    *[("ENV_KNOWN_ARMS", "known_arms", v, on) for v, on in ((None, True), ("0", False), ("no", False))],
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("env", "field", "value", "on"), _SWITCHES)
 def test_switches_from_env(monkeypatch, env, field, value, on):
     """$MAGI_COMM_NATIVE_COPY_ENGINE (off unless set to something other than 0 / false / no /
-    off) and $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL (on unless set to one of those)."""
+    off), $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL and $MAGI_COMM_NATIVE_KNOWN_ARMS (on unless set to
+    one of those)."""
     if value is None:
         monkeypatch.delenv(getattr(native, env), raising=False)
     else:
@@ -720,15 +722,42 @@ def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
     assert any("does not accept pulls" in m for m in chain), chain
 
 
+def test_one_launch_with_a_known_arm_stops_where_the_peer_refuses_pulls(monkeypatch):
+    """The refusal comes after a pulled call (the ranks made to believe they reduce alike, the
+    peer's second call staged): the one-launch rank publishes without awaiting the arm it
+    knows, so the check moves to its end, and it still stops with an error naming the refusal
+    (the staged peer has read stale rows by then: its result is not checked)."""
+    monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
+    monkeypatch.setattr(
+        NativeBackend,
+        "_agree_on_fused_reduce",
+        lambda self, state, created: setattr(state, "fused_alike", True),
+    )
+    cfg = NativeConfig(buffer_bytes=1 << 20)
+    configs = [cfg, [cfg, NativeConfig(buffer_bytes=1 << 20, fused_reduce=False)]]
+    seen = {}
+    with pytest.raises(BaseException) as info:
+        _pulled_reduces(2, configs, [True, True], steps=2, pick=lambda step, rank: rank * step,
+                        checked=lambda step, rank: step == 0 or rank == 0, seen=seen)  # fmt: skip
+    chain, err = [], info.value
+    while err is not None:
+        chain.append(f"{type(err).__name__}: {err}")
+        err = err.__context__
+    assert any("does not accept pulls" in m for m in chain), chain
+    assert seen["world"].known_arms >= 1, "the second call awaited the arm"
+
+
 def _pulled_reduces(
-    world: int, configs, symmetric, steps: int = 5, lay=None, pick=None
+    world: int, configs, symmetric, steps: int = 5, lay=None, pick=None, checked=None, seen=None
 ) -> native_fake.FakeWorld:
     """``steps`` reduces of ``lay`` (default: the dense layout) on each rank, from a symmetric
     input where ``symmetric[rank]`` (else a plain tensor), each checked against the oracle (and
-    the input left as it was). ``configs[rank]``: that rank's config, or a list of configs, one
-    backend each, of which ``pick(step, rank)`` chooses the call's. Returns the world (its
-    counters)."""
+    the input left as it was) where ``checked(step, rank)`` (default: all). ``configs[rank]``:
+    that rank's config, or a list of configs, one backend each, of which ``pick(step, rank)``
+    chooses the call's. Returns the world (its counters), also as ``seen["world"]``."""
     fw = native_fake.FakeWorld(world)
+    if seen is not None:
+        seen["world"] = fw
     lay = lay or _dense_layout(world)
 
     def rank_fn(rank):
@@ -750,8 +779,10 @@ def _pulled_reduces(
                 out = old.clone()
                 be = backends[pick(step, rank) if pick else 0]
                 be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
-                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
-                assert torch.equal(src, inputs[rank])
+                if checked is None or checked(step, rank):
+                    want = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)
+                    assert torch.equal(out, want), step
+                    assert torch.equal(src, inputs[rank])
             backends[0].free_output(sym)
         native.shutdown()
 
@@ -759,14 +790,18 @@ def _pulled_reduces(
     return fw
 
 
-def test_one_launch_pull_on_two_ranks():
+@pytest.mark.parametrize("known_arms", [True, False])
+def test_one_launch_pull_on_two_ranks(known_arms):
     """Two ranks reducing from symmetric inputs make each call one launch of the fused
     reduction (its program 0 arms, awaits the arm, publishes, signals ready): every call of
-    both ranks, the rows read in place and each input's DONE awaited."""
-    cfg = NativeConfig(buffer_bytes=1 << 20)
+    both ranks, the rows read in place and each input's DONE awaited. From the second call on,
+    each knows the peer's arm (its last call to it was a pulled one launch) and does not await
+    it before publishing, unless ``known_arms`` is off."""
+    cfg = NativeConfig(buffer_bytes=1 << 20, known_arms=known_arms)
     fw = _pulled_reduces(2, [cfg, cfg], [True, True])
     assert fw.one_launch_reduces == 2 * 5, fw.one_launch_reduces
     assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
+    assert fw.known_arms == (2 * 4 if known_arms else 0), fw.known_arms
 
 
 @pytest.mark.parametrize("symmetric", [(True, False), (False, True)])
@@ -778,6 +813,8 @@ def test_one_launch_pull_beside_a_peer_that_sends(symmetric):
     fw = _pulled_reduces(2, [cfg, cfg], list(symmetric))
     assert fw.one_launch_reduces == 5, fw.one_launch_reduces
     assert fw.pulled_rows > 0 and fw.published_maps > 0
+    # the one-launch rank knows the arm from its second call on; the sending rank never does
+    assert fw.known_arms == 4, fw.known_arms
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,7 @@ class CopyLaunch:
         assert not sync & proto.SIGNAL_PROGRESS or self.progress is not None
         assert not sync & proto.AWAIT_ROWS or self.waits is not None
         assert bool(pub) == (self.publish is not None), "a publishing launch takes a table, others none"
+        assert not any(map(proto.arm_known, words)), "a known arm in a copy launch"
         steps = handshake_steps(self.world, self.handshake, W, sync, words)
         next(steps)  # the start of the kernel
         table = self.table
@@ -216,8 +217,11 @@ def handshake_steps(world, hs, W, sync, words):
             if arm_now:
                 world.kernel_add(slot(peers[c], proto.ARM, hs.rank))
         for c, (arm_wait, _, _) in enumerate(waits):
-            if arm_wait:
+            if arm_wait and not proto.arm_known(words[c]):
                 world.kernel_wait(slot(hs.sig, proto.ARM, c), arm_wait)
+            elif arm_wait:
+                with world.cond:
+                    world.known_arms += 1
     yield
     if sync & proto.READY_END:
         for c, (arm_wait, _, _) in enumerate(waits):
@@ -301,7 +305,8 @@ def launch_reduce(
     if out.shape[0] and E:
         native_sim_reduce._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
     if end is not None:
-        _reduce_end(world, *end)
+        hs, counter, decided, done_words, wait_done = end
+        _reduce_end(world, hs, counter, decided, done_words, wait_done, start)
 
 
 def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> None:
@@ -319,14 +324,24 @@ def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> 
         world.one_launch_reduces += 1
 
 
-def _reduce_end(world, hs, counter, decided, done_words, wait_done) -> None:
-    """The fused reduction's DONE step (its last program)."""
+def _reduce_end(world, hs, counter, decided, done_words, wait_done, start=None) -> None:
+    """The fused reduction's DONE step (its last program); after a one-launch ``start``, the
+    check of the arms it did not await (their accept words)."""
     W = len(done_words)
     peers = words_at(hs.sig_peers, W, torch.int64).tolist()
     for c, word in enumerate(done_words):
         src_epoch = proto.unpack_peer(word)[1]
         if src_epoch:
             world.done_signal(peers[c] + 8 * (proto.DONE * W + hs.rank), src_epoch)
+    if start is not None:
+        words, accepts = start[0], start[3]
+        for c, word in enumerate(words):
+            if proto.arm_known(word):
+                world.kernel_wait(hs.sig + 8 * (proto.ARM * W + c), proto.unpack_peer(word)[0])
+                accept = int(words_at(accepts, W, torch.int64)[c])
+                assert accept == proto.PULL_ACCEPT, (
+                    "magi_comm native: a one-launch reduce's destination does not accept pulls"
+                )
     if wait_done:
         got = words_at(decided, W, torch.int64)
         for c, word in enumerate(done_words):

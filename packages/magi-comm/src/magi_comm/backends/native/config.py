@@ -16,6 +16,7 @@ __all__ = [
     "ENV_BUFFER_MB",
     "ENV_DEVICE_HANDSHAKE",
     "ENV_FUSED_REDUCE",
+    "ENV_KNOWN_ARMS",
     "ENV_MAX_PROGRAMS",
     "ENV_ONE_LAUNCH_PULL",
     "ENV_OVERLAP_CHUNK_KB",
@@ -42,6 +43,7 @@ ENV_REDUCE_WARPS = "MAGI_COMM_NATIVE_REDUCE_WARPS"
 ENV_COPY_ENGINE = "MAGI_COMM_NATIVE_COPY_ENGINE"
 ENV_REDUCE_PROGRAMS = "MAGI_COMM_NATIVE_REDUCE_PROGRAMS"
 ENV_ONE_LAUNCH_PULL = "MAGI_COMM_NATIVE_ONE_LAUNCH_PULL"
+ENV_KNOWN_ARMS = "MAGI_COMM_NATIVE_KNOWN_ARMS"
 DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
@@ -135,6 +137,10 @@ class NativeConfig:
             59% -> 65% at 16 MiB on 2x H100 (docs/perf.md). ``$MAGI_COMM_NATIVE_ONE_LAUNCH_PULL=0``
             turns it off. It needs ``fused_reduce`` alike on both ranks, in every backend of the
             group (compared when the group is set up).
+        known_arms: a one-launch reduce whose previous call to the peer was a pulled one launch
+            too publishes without awaiting the peer's arm, and checks it (its accept word) at
+            its end instead (docs/native.md, "The arm known"). ``$MAGI_COMM_NATIVE_KNOWN_ARMS=0``
+            turns it off.
     """
 
     buffer_bytes: int = 256 * MIB
@@ -154,6 +160,7 @@ class NativeConfig:
     copy_engine: bool = False
     reduce_programs: int = 0
     one_launch_pull: bool = True
+    known_arms: bool = True
 
     def __post_init__(self) -> None:
         for name in ("reduce_tile_rows", "reduce_warps"):
@@ -181,6 +188,7 @@ class NativeConfig:
                 ("device_handshake", ENV_DEVICE_HANDSHAKE, "1"),
                 ("copy_engine", ENV_COPY_ENGINE, "0"),
                 ("one_launch_pull", ENV_ONE_LAUNCH_PULL, "1"),
+                ("known_arms", ENV_KNOWN_ARMS, "1"),
             )
         }
         scale = {"overlap_chunk_bytes": 1024}

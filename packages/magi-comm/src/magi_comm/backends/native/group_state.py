@@ -36,6 +36,9 @@ class PairCounters:
         map_sent: token of the map this rank last put to each source (-1: none yet).
         accept_sent: accept word this rank last put to each source (-1: none yet).
         map_tokens: maps built so far (each gets the next token).
+        arm_known: per destination, whether its arm need not be awaited before this rank's
+            next call to it publishes: the last call to it was a pulled one launch, which
+            awaited its ``DONE`` (docs/native.md, "The arm known").
     """
 
     sent: list[int]
@@ -45,13 +48,16 @@ class PairCounters:
     acks_seen: list[int]
     map_sent: list[int]
     accept_sent: list[int]
+    arm_known: list[bool]
     map_tokens: int = 0
 
     @staticmethod
     def zero(world: int) -> PairCounters:
         """Counters of a fresh group of ``world`` ranks."""
         zeros = [0] * world
-        return PairCounters(zeros[:], zeros[:], zeros[:], zeros[:], zeros[:], [-1] * world, [-1] * world)
+        return PairCounters(
+            zeros[:], zeros[:], zeros[:], zeros[:], zeros[:], [-1] * world, [-1] * world, [False] * world
+        )
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

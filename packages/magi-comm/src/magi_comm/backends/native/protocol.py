@@ -24,6 +24,7 @@ __all__ = [
     "SIGNAL_PROGRESS",
     "WAIT_READY_END",
     "Handshake",
+    "arm_known",
     "pack_done",
     "pack_peer",
     "progress_value",
@@ -46,6 +47,7 @@ AWAIT_ROWS = 16  # receive copy / fused reduction: wait for each source's rows b
 PEER_WORDS = 8  # packed per-peer words a kernel takes (MAX_PEERS)
 MAX_REPORTING_PROGRAMS = 1024  # copying programs of a send launch that reports its progress
 _TAG = 1 << 62
+_KNOWN = 1 << 63  # the sign bit of the int64 word: the kernels test ``word < 0``
 _ARM_BITS = 30  # arm_wait < 2**30, ready_wait < 2**31: a billion calls per pair
 
 
@@ -67,13 +69,23 @@ class Handshake:
     rank: int
 
 
-def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False) -> int:
+def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False, known: bool = False) -> int:
     """One peer's word for a handshake launch: the ``ARM`` count to wait for (it is a
-    destination when > 0), the ``READY`` count to wait for (a source when > 0), and whether
-    this launch arms it."""
+    destination when > 0; also the pair's epoch), the ``READY`` count to wait for (a source
+    when > 0), and whether this launch arms it. ``known`` (a destination of a one-launch
+    reduce, docs/native.md "The arm known"): its arm need not be awaited before the publish
+    step, only checked at the end. As a signed int64 (``known`` is the sign bit)."""
     if not (0 <= arm_wait < 1 << _ARM_BITS and 0 <= ready_wait < 1 << 31):
         raise ValueError(f"signal counts out of range: arm_wait={arm_wait}, ready_wait={ready_wait}")
-    return _TAG | arm_wait << 32 | ready_wait << 1 | int(bool(arm_now))
+    if known and not arm_wait:
+        raise ValueError("known: only a destination's arm (arm_wait > 0) may be known")
+    word = _TAG | arm_wait << 32 | ready_wait << 1 | int(bool(arm_now))
+    return word - _KNOWN if known else word
+
+
+def arm_known(word: int) -> bool:
+    """Whether a :func:`pack_peer` word says the destination's arm is known."""
+    return word < 0
 
 
 def unpack_peer(word: int) -> tuple[int, int, bool]:

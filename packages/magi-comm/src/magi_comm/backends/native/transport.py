@@ -110,7 +110,7 @@ class Transport:
                 raise AssertionError(
                     "one launch needs the fused reduction, one round, one field, the kernel handshake"
                 )
-            words, _ = self._count_one_round(rounds[0], sink_kind, maps)
+            words, _ = self._count_one_round(rounds[0], sink_kind, maps, one_launch=True)
             consume(st.stream, None, words)
             return
         if len(rounds) == 1 and len(prepared) == 1 and self.config.device_handshake:
@@ -132,6 +132,7 @@ class Transport:
             for d in rnd.send_peers:
                 if k == 0:  # d's earlier use of its region and output is over
                     n.arms_seen[d] += 1
+                    n.arm_known[d] = False
                     st.wait(ARM, d, n.arms_seen[d])
                 else:  # d consumed our previous round
                     n.acks_seen[d] += 1
@@ -217,12 +218,16 @@ class Transport:
         elif maps is None:
             recv(local, sink, st.stream)
 
-    def _count_one_round(self, rnd: Round, sink_kind: str, maps) -> tuple[tuple[int, ...], list[int]]:
+    def _count_one_round(
+        self, rnd: Round, sink_kind: str, maps, one_launch: bool = False
+    ) -> tuple[tuple[int, ...], list[int]]:
         """Count the call on every pair of the round and put the arms that carry data (a map
         or an accept word: put-with-signal ahead of the kernels); returns the launch's packed
-        per-peer words and the ``READY`` count awaited from each source (0: none)."""
+        per-peer words and the ``READY`` count awaited from each source (0: none).
+        ``one_launch`` (a pulled one-launch reduce): a destination whose last call from us was
+        one too has its arm known (``PairCounters.arm_known``; ``NativeConfig.known_arms``)."""
         st, n, W = self.state, self.state.counts, self.world
-        arm_wait, ready_wait, arm_now = [0] * W, [0] * W, [False] * W
+        arm_wait, ready_wait, arm_now, known = [0] * W, [0] * W, [False] * W, [False] * W
         for s in rnd.recv_peers:
             header = self.arm_header(s, sink_kind, maps)
             if header is None:
@@ -235,8 +240,10 @@ class Transport:
         for d in rnd.send_peers:
             n.arms_seen[d] += 1
             arm_wait[d] = n.arms_seen[d]
+            known[d] = one_launch and self.config.known_arms and n.arm_known[d]
+            n.arm_known[d] = one_launch
             n.sent[d] += 1
-        return tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now)), ready_wait
+        return tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now, known)), ready_wait
 
     def _arm_launch(self):
         """The group's launch without rows that only arms and waits (built on first use)."""

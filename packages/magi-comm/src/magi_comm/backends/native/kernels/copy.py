@@ -472,6 +472,8 @@ class CopyLaunch:
             sync & proto.AWAIT_ROWS and self.waits is None
         ):
             raise ValueError("this launch was built without progress / wait tables")
+        if any(proto.arm_known(w) for w in words):  # it would skip the wait with no check after it
+            raise ValueError("a known arm is for a one-launch reduce only, not a copy launch")
         handshake_steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
         # a publishing launch writes the headers even without blocks
         grid = self.sync_grid if sync & handshake_steps or pub else self.grid
