@@ -52,7 +52,8 @@
 #   known-arms  (not in all) the one-launch reduce publishing without the arm it knows (magi-comm
 #               native.md, "The arm known"): gpu_native_check.py, then bench_comm at 16 and 64 MiB
 #               with MAGI_COMM_NATIVE_KNOWN_ARMS=1 and 0 in turn, twice, and once on with the
-#               one-launch grid of 1024 programs
+#               one-launch grid of 2048 programs (the default before 1024; it also caps the plain
+#               reduce's reduction)
 #   pulled-step (not in all) the cp 2 step with pulled partials (their reduce in one launch)
 #               against plain ones in turns (tools/step_ab.py, MAGI_DIST_SYMMETRIC_PARTIALS_MB=4096;
 #               varlen causal and varlen full, TOTALS)
@@ -226,7 +227,7 @@ if [[ $what == known-arms ]]; then
         tools/bench_comm.py --sizes 16,64
     done
   done
-  step bench_comm_known1_programs1024.log 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=1024 $run2 \
+  step bench_comm_known1_programs2048.log 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=2048 $run2 \
     tools/bench_comm.py --sizes 16,64
 fi
 if [[ $what == pulled-step ]]; then

@@ -66,8 +66,8 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     (each must pull: a destination that does not accept would need its rows sent, which this
     launch cannot do, so it traps instead), records the decisions under each destination's epoch
     and signals READY; every program then acquires each source's READY count before its first
-    tile, pausing between polls (up to 2048 programs poll at once). The words are those of the
-    send kernel (``pack_peer``)."""
+    tile, pausing between polls (up to ``ONE_LAUNCH_PROGRAMS`` programs poll at once). The words
+    are those of the send kernel (``pack_peer``)."""
     if tl.program_id(0) == 0:
         # the send kernel's start, in this program alone: arm, then the destinations' arms
         handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, 1, PAUSE)
