@@ -220,6 +220,20 @@ def _reduce_kernel(
     tile = tl.program_id(0)
     seen = tl.full((8,), -1, tl.int64)  # per source, the PROGRESS value acquired so far
     lane = tl.arange(0, 8)
+    # one launch (START): every source's pull-map header is in place once its READY is acquired,
+    # before the first tile, so each source's header and allocation base are read once here, not
+    # per tile (two of the three dependent loads ahead of each pulled row's NVLink read): +0.4 to
+    # +0.8% GB/s at 64 MiB on 2x H100 (docs/perf.md, "group_reduce: the arm known", (d)); the
+    # reduction after a transfer kept its per-tile loads (hoisted there it lost 6%)
+    HOISTED: tl.constexpr = PULL and START
+    if HOISTED:
+        maps64 = pull_maps.to(tl.pointer_type(tl.int64))
+        hdrs = tl.load(maps64 + lane * MAPW, mask=lane < W, other=0)
+        bases = tl.load(
+            alloc_base.to(tl.pointer_type(tl.int64)) + tl.where(hdrs > 0, (hdrs - 1) * W + lane, 0),
+            mask=(lane < W) & (hdrs > 0),
+            other=0,
+        )
     while tile < ntiles:
         rt = tile // ncb
         if AWAIT:
@@ -258,13 +272,22 @@ def _reduce_kernel(
                 peer_term = has[:, None] & ~ts[:, None] & (tp >= 0)
                 c = tl.where(peer_term, (tp >> _PUB_SHIFT_SRC) & 0xFF, 0)
                 maps_row = pull_maps.to(tl.pointer_type(tl.int64)) + c * MAPW
-                hdr = tl.load(maps_row)
                 split = (tp >> _PUB_SHIFT_SPLIT) & _PUB_SPLIT_MASK
-                pulled = peer_term & (hdr > 0) & (split < MAPW - 1)  # a map row holds MAPW - 1 splits
-                base = tl.load(
-                    alloc_base.to(tl.pointer_type(tl.int64)) + tl.where(pulled, (hdr - 1) * W + c, 0)
-                )
-                entry = tl.load(maps_row + tl.where(pulled, 1 + split, 0))
+                in_row = peer_term & (split < MAPW - 1)  # a map row holds MAPW - 1 splits
+                if HOISTED:  # (BR, 1) picks from the per-source vectors
+                    pick = lane[None, :] == c
+                    hdr = tl.sum(tl.where(pick, hdrs[None, :], 0), axis=1)[:, None]
+                    base = tl.sum(tl.where(pick, bases[None, :], 0), axis=1)[:, None]
+                    pulled = in_row & (hdr > 0)
+                    # its address needs no header: read while the header is still unknown
+                    entry = tl.load(maps_row + tl.where(in_row, 1 + split, 0))
+                else:
+                    hdr = tl.load(maps_row)
+                    pulled = in_row & (hdr > 0)
+                    base = tl.load(
+                        alloc_base.to(tl.pointer_type(tl.int64)) + tl.where(pulled, (hdr - 1) * W + c, 0)
+                    )
+                    entry = tl.load(maps_row + tl.where(pulled, 1 + split, 0))
                 within = tp & _PUB_ROW_MASK
                 poff = tl.where(pulled, (base + entry - region_addr) // ES + within * E, 0)
                 poff = tl.multiple_of(poff, [PV, PV])
