@@ -25,6 +25,7 @@ __all__ = [
     "await_rows",
     "backoff",
     "chunk_done",
+    "fail",
     "handshake_end",
     "handshake_start",
     "peer_word",
@@ -90,14 +91,17 @@ def trap():
 
 
 @triton.jit
-def _give_up(PAUSE: tl.constexpr):
-    """A peer's signal did not come within the bound (the peer died or stopped): end the kernel
-    with an error instead of spinning for ever. Compiled: ``trap``; the interpreter raises an
-    AssertionError from the launch."""
+def fail(PAUSE: tl.constexpr, MSG: tl.constexpr):
+    """End the kernel with an error instead of going on (a peer's signal that did not come
+    within the bound, a peer that refuses what the launch needs). Compiled (``PAUSE > 0``):
+    ``trap``; the interpreter raises an AssertionError with ``MSG`` from the launch."""
     if PAUSE > 0:
         trap()
     else:
-        tl.static_assert(False, "magi_comm native: a peer's signal did not come within the wait bound")
+        tl.static_assert(False, MSG)
+
+
+WAIT_BOUND_PASSED = tl.constexpr("magi_comm native: a peer's signal did not come within the wait bound")
 
 
 @triton.jit
@@ -125,7 +129,7 @@ def peer_word(c: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
 def await_at_least(ptr, value, PAUSE: tl.constexpr, PACED: tl.constexpr):
     """Spin until the local int64 at ``ptr`` is >= ``value``, then acquire at system scope (the
     peer's stores released before its signal are visible to every thread of the program).
-    Past the wait bound the kernel gives up with an error (`_give_up`). ``PACED``: a `backoff`
+    Past the wait bound the kernel gives up with an error (`fail`). ``PACED``: a `backoff`
     between polls, for a wait that many programs make at once (the one-launch reduction's
     READY: about 2% less time a call at 16 MiB on 2x H100, docs/perf.md)."""
     start = _clock(PAUSE)
@@ -134,7 +138,7 @@ def await_at_least(ptr, value, PAUSE: tl.constexpr, PACED: tl.constexpr):
     while cur < value:
         polls += 1
         if _waited_too_long(start, polls, PAUSE):
-            _give_up(PAUSE)
+            fail(PAUSE, WAIT_BOUND_PASSED)
         if PACED:
             backoff(PAUSE)
         cur = tl.load(ptr, volatile=True)
@@ -261,7 +265,7 @@ def await_rows(sig, s, rows, word, seen, W: tl.constexpr, PAUSE: tl.constexpr):
         while (p < want) & (r < ready_want):
             polls += 1
             if _waited_too_long(start, polls, PAUSE):
-                _give_up(PAUSE)
+                fail(PAUSE, WAIT_BOUND_PASSED)
             backoff(PAUSE)
             p = tl.load(prog, volatile=True)
             r = tl.load(rdy, volatile=True)

@@ -25,10 +25,10 @@ from .handshake import (
     await_arms,
     await_at_least,
     await_rows,
+    fail,
     handshake_start,
     peer_word,
     poll_pause,
-    trap,
 )
 
 __all__ = ["REDUCE_WARPS", "launch_reduce", "reduce_tile_rows"]
@@ -45,15 +45,10 @@ _DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
 _START_ARGS = ["pub", "pub_peers", "accepts"]
 
 
-@triton.jit
-def _refused(PAUSE: tl.constexpr):
-    """A destination of a one-launch call does not accept pulls (the ranks disagree on the
-    fused reduction): its rows would need a send this launch cannot make, so end with an error
-    (``trap``; the interpreter raises an AssertionError) instead of leaving it to read stale rows."""
-    if PAUSE > 0:
-        trap()
-    else:
-        tl.static_assert(False, "magi_comm native: a one-launch reduce's destination does not accept pulls")
+# a one-launch reduce's destination does not accept pulls (the ranks disagree on the fused
+# reduction): its rows would need a send this launch cannot make, so the launch ends with an
+# error (`fail`) instead of leaving it to read stale rows
+REFUSED = tl.constexpr("magi_comm native: a one-launch reduce's destination does not accept pulls")
 
 
 @triton.jit
@@ -78,7 +73,7 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
             if tl.load(tab + c + 1) > tl.load(tab + c):
                 wanted = wanted | (1 << c)
         if pulled != wanted:
-            _refused(PAUSE)
+            fail(PAUSE, REFUSED)
         _publish(pub, pub_peers, decided, pulled, tl.arange(0, 16), p0, p1, p2, p3, p4, p5, p6, p7, W, ME,
                  MAPW, 16)  # fmt: skip
         tl.debug_barrier()  # the headers, released with the signal (cumulative over the CTA)
@@ -99,12 +94,12 @@ def _confirm_known_arms(sig, accepts, p0, p1, p2, p3, p4, p5, p6, p7, W: tl.cons
     ours is read there any more). What the arm also carries is checked here, late: the
     destination's accept word for this call. A destination that refused (its call is staged:
     the ranks disagree on the reduction) gets no rows from this launch, so it ends with an
-    error (`_refused`), as the start's check does for a destination it awaited."""
+    error (`fail`), as the start's check does for a destination it awaited."""
     await_arms(sig, p0, p1, p2, p3, p4, p5, p6, p7, W, 1, PAUSE)
     for c in tl.static_range(W):
         accept = tl.load(accepts.to(tl.pointer_type(tl.int64)) + c, volatile=True)
         if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) < 0) & (accept != PULL_ACCEPT):
-            _refused(PAUSE)
+            fail(PAUSE, REFUSED)
 
 
 @triton.jit
