@@ -8,6 +8,7 @@ fused and staged reductions, async works, close and shutdown; results against th
 import contextlib
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import magi_comm.testing as lib
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends import native
 from magi_comm.backends.native import NativeBackend, NativeConfig
-from magi_comm.testing import native_cases, native_fake
+from magi_comm.testing import native_cases, native_fake, native_fake_kernels
 
 
 @pytest.mark.parametrize(
@@ -368,15 +369,15 @@ _SWITCHES = [  # (variable, NativeConfig field, value or None for unset, the fie
       ((None, False), ("1", True), ("0", False), ("off", False), ("yes", True))],
     *[("ENV_ONE_LAUNCH_PULL", "one_launch_pull", v, on) for v, on in
       ((None, True), ("1", True), ("0", False), ("off", False))],
-    *[("ENV_KNOWN_ARMS", "known_arms", v, on) for v, on in ((None, True), ("0", False), ("no", False))],
+    *[("ENV_KNOWN_ARMS", "known_arms", v, on) for v, on in ((None, False), ("1", True), ("0", False))],
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("env", "field", "value", "on"), _SWITCHES)
 def test_switches_from_env(monkeypatch, env, field, value, on):
     """$MAGI_COMM_NATIVE_COPY_ENGINE (off unless set to something other than 0 / false / no /
-    off), $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL and $MAGI_COMM_NATIVE_KNOWN_ARMS (on unless set to
-    one of those)."""
+    off; so is $MAGI_COMM_NATIVE_KNOWN_ARMS) and $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL (on unless
+    set to one of those)."""
     if value is None:
         monkeypatch.delenv(getattr(native, env), raising=False)
     else:
@@ -722,29 +723,124 @@ def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
     assert any("does not accept pulls" in m for m in chain), chain
 
 
-def test_one_launch_with_a_known_arm_stops_where_the_peer_refuses_pulls(monkeypatch):
+def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     """The refusal comes after a pulled call (the ranks made to believe they reduce alike, the
-    peer's second call staged): the one-launch rank publishes without awaiting the arm it
-    knows, so the check moves to its end, and it still stops with an error naming the refusal
-    (the staged peer has read stale rows by then: its result is not checked)."""
+    peer's second call staged) with the arm known: the one-launch rank publishes without
+    awaiting the arm, so nothing stops it at once (why ``known_arms`` is off by default; its
+    staged peer reads stale rows, unchecked here); it ends in an error all the same, its wait
+    for the peer's DONE, which the staged peer never raises, running past the bound."""
     monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
     monkeypatch.setattr(
         NativeBackend,
         "_agree_on_fused_reduce",
         lambda self, state, created: setattr(state, "fused_alike", True),
     )
-    cfg = NativeConfig(buffer_bytes=1 << 20)
+    cfg = NativeConfig(buffer_bytes=1 << 20, known_arms=True)
     configs = [cfg, [cfg, NativeConfig(buffer_bytes=1 << 20, fused_reduce=False)]]
     seen = {}
     with pytest.raises(BaseException) as info:
         _pulled_reduces(2, configs, [True, True], steps=2, pick=lambda step, rank: rank * step,
                         checked=lambda step, rank: step == 0 or rank == 0, seen=seen)  # fmt: skip
-    chain, err = [], info.value
-    while err is not None:
-        chain.append(f"{type(err).__name__}: {err}")
-        err = err.__context__
-    assert any("does not accept pulls" in m for m in chain), chain
+    assert info.value is not None
+    # rank 0's own error (the staged rank's barrier may give up first and be the one raised)
+    chain = seen["errors"][0]
+    assert any("DONE wait" in m and "timed out" in m for m in chain), chain
     assert seen["world"].known_arms >= 1, "the second call awaited the arm"
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_known_arm_never_reads_the_peers_next_accept_word(monkeypatch, delay):
+    """Rows one way (rank 0 to rank 1), two pulled sums, then an ``lse`` reduce (staged: rank 1
+    puts its accept word 0 with its arm), rank 0's tiles slowed by ``delay``: rank 1 finishes
+    its second call while rank 0's is still running and arms the third. Nothing in rank 0's
+    second call may read that word as its own call's (a check at the end did, and trapped)."""
+    monkeypatch.setattr(native_fake, "TIMEOUT", 3.0)
+    lay = lib._complete(random.Random(3), 2, [[3], [2]], [[[0]], [[0, 1]]])
+    fw = native_fake.FakeWorld(2)
+    tiles = native_fake_kernels.native_sim_reduce._fused_reference
+
+    def slow_on_rank_0(*args, **kwargs):
+        if fw.pe == 0:
+            time.sleep(delay)
+        return tiles(*args, **kwargs)
+
+    monkeypatch.setattr(native_fake_kernels.native_sim_reduce, "_fused_reference", slow_on_rank_0)
+
+    def rank_fn(rank):
+        plan = build_reduce_plan(*lay.reduce_args(rank), rank, 2)
+        with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=1 << 20, known_arms=True)) as be:
+            sym = be.empty_output((plan.num_input_rows + 1, 4), torch.float32)
+            src = sym[: plan.num_input_rows]
+            case = {"seed": 43, "row_shape": (4,)}
+            for step in range(2):
+                inputs = [
+                    lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=step) for r in range(2)
+                ]
+                src.copy_(inputs[rank])
+                old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
+                out = old.clone()
+                be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
+                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
+            case = {"seed": 44, "row_shape": (2, 2)}
+            inputs = [lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32) for r in range(2)]
+            lses = [lib.rank_lse(case, r, sum(lay.out_sizes[r])) for r in range(2)]
+            old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=1)
+            old_lse = lib.rank_lse(case, rank, plan.num_output_rows, salt=1)
+            out, out_lse = old.clone(), old_lse.clone()
+            be.group_reduce(inputs[rank], out, plan, False, "lse", lses[rank], out_lse, True).wait()
+            want, want_lse = lib.reduce_oracle_lse(lay, inputs, lses, rank, old, old_lse, True)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out_lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+            be.free_output(sym)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.known_arms >= 1, fw.known_arms
+
+
+@pytest.mark.parametrize("between", ["cast", "lse", "plain"])
+def test_a_call_that_sends_between_two_pulled_reduces_clears_the_known_arm(between):
+    """Pulled sums (each a one launch on both ranks) with another call between every two that
+    moves rows to the peer: a cast (its send kernel), an ``lse`` reduce (the host path: two
+    fields) or a reduce from a plain input (the send kernel of the fused reduction). After such
+    a call the peer's arm is not known: no call skips it (two pulled sums in a row do)."""
+    world = 2
+    fw = native_fake.FakeWorld(world)
+    lay = _dense_layout(world)
+    cfg = NativeConfig(buffer_bytes=1 << 20, known_arms=True)
+
+    def rank_fn(rank):
+        plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
+        cast_plan = build_cast_plan(*lay.cast_args(rank), rank, world)
+        with NativeBackend("group", rank, world, cfg) as be:
+            sym = be.empty_output((plan.num_input_rows + 1, 4), torch.float32)
+            src = sym[: plan.num_input_rows]
+            case = {"seed": 45, "row_shape": (4,)}
+            for step in range(3):
+                inputs = [
+                    lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=step) for r in range(2)
+                ]
+                src.copy_(inputs[rank])
+                old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
+                out = old.clone()
+                be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
+                assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
+                if between == "cast":
+                    _cast_into(be, lay, cast_plan, rank, torch.zeros((cast_plan.num_output_rows, 4)), step)
+                elif between == "lse":
+                    x = lib.rank_data(case, rank, plan.num_input_rows * 2, torch.float32).view(-1, 2, 4)
+                    xl = lib.rank_lse({"seed": 46, "row_shape": (2, 4)}, rank, plan.num_input_rows)
+                    o = torch.zeros(plan.num_output_rows, 2, 4)
+                    ol = torch.full((plan.num_output_rows, 2), float("-inf"))
+                    be.group_reduce(x, o, plan, False, "lse", xl, ol, False).wait()
+                else:
+                    be.group_reduce(inputs[rank].clone(), out, plan, False, "sum", None, None, False).wait()
+            be.free_output(sym)
+        native.shutdown()
+
+    native_fake.run_ranks(fw, rank_fn)
+    assert fw.one_launch_reduces == 2 * 3, fw.one_launch_reduces
+    assert fw.known_arms == 0, fw.known_arms
 
 
 def _pulled_reduces(
@@ -754,10 +850,11 @@ def _pulled_reduces(
     input where ``symmetric[rank]`` (else a plain tensor), each checked against the oracle (and
     the input left as it was) where ``checked(step, rank)`` (default: all). ``configs[rank]``:
     that rank's config, or a list of configs, one backend each, of which ``pick(step, rank)``
-    chooses the call's. Returns the world (its counters), also as ``seen["world"]``."""
+    chooses the call's. Returns the world (its counters), also as ``seen["world"]``; each
+    rank's error, if any, as ``seen["errors"][rank]``: its messages, the error and its causes."""
     fw = native_fake.FakeWorld(world)
     if seen is not None:
-        seen["world"] = fw
+        seen["world"], seen["errors"] = fw, {}
     lay = lay or _dense_layout(world)
 
     def rank_fn(rank):
@@ -786,7 +883,19 @@ def _pulled_reduces(
             backends[0].free_output(sym)
         native.shutdown()
 
-    native_fake.run_ranks(fw, rank_fn)
+    def recorded(rank):
+        try:
+            rank_fn(rank)
+        except BaseException as e:
+            if seen is not None:
+                chain, err = [], e
+                while err is not None:
+                    chain.append(f"{type(err).__name__}: {err}")
+                    err = err.__context__
+                seen["errors"][rank] = chain
+            raise
+
+    native_fake.run_ranks(fw, recorded)
     return fw
 
 
@@ -809,7 +918,7 @@ def test_one_launch_pull_beside_a_peer_that_sends(symmetric):
     """A rank whose input is symmetric takes one launch while its peer, whose input is plain,
     sends its rows through the regions with the send kernel: the two protocols serve the pair
     in every call."""
-    cfg = NativeConfig(buffer_bytes=1 << 20)
+    cfg = NativeConfig(buffer_bytes=1 << 20, known_arms=True)
     fw = _pulled_reduces(2, [cfg, cfg], list(symmetric))
     assert fw.one_launch_reduces == 5, fw.one_launch_reduces
     assert fw.pulled_rows > 0 and fw.published_maps > 0

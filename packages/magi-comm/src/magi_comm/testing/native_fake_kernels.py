@@ -305,8 +305,7 @@ def launch_reduce(
     if out.shape[0] and E:
         native_sim_reduce._fused_reference(out, inp, reg, term_row, term_self, nterms, acc_reduce, average)
     if end is not None:
-        hs, counter, decided, done_words, wait_done = end
-        _reduce_end(world, hs, counter, decided, done_words, wait_done, start)
+        _reduce_end(world, *end)
 
 
 def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> None:
@@ -324,24 +323,14 @@ def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> 
         world.one_launch_reduces += 1
 
 
-def _reduce_end(world, hs, counter, decided, done_words, wait_done, start=None) -> None:
-    """The fused reduction's DONE step (its last program); after a one-launch ``start``, the
-    check of the arms it did not await (their accept words)."""
+def _reduce_end(world, hs, counter, decided, done_words, wait_done) -> None:
+    """The fused reduction's DONE step (its last program)."""
     W = len(done_words)
     peers = words_at(hs.sig_peers, W, torch.int64).tolist()
     for c, word in enumerate(done_words):
         src_epoch = proto.unpack_peer(word)[1]
         if src_epoch:
             world.done_signal(peers[c] + 8 * (proto.DONE * W + hs.rank), src_epoch)
-    if start is not None:
-        words, accepts = start[0], start[3]
-        for c, word in enumerate(words):
-            if proto.arm_known(word):
-                world.kernel_wait(hs.sig + 8 * (proto.ARM * W + c), proto.unpack_peer(word)[0])
-                accept = int(words_at(accepts, W, torch.int64)[c])
-                assert accept == proto.PULL_ACCEPT, (
-                    "magi_comm native: a one-launch reduce's destination does not accept pulls"
-                )
     if wait_done:
         got = words_at(decided, W, torch.int64)
         for c, word in enumerate(done_words):

@@ -20,7 +20,6 @@ __all__ = [
     "POLL_PAUSE_NS",
     "WAIT_LIMIT_NS",
     "WAIT_LIMIT_POLLS",
-    "await_arms",
     "await_at_least",
     "await_rows",
     "backoff",
@@ -162,31 +161,18 @@ def handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W: tl.conste
     """The send kernel's start (``HS_ARM``): program 0 adds 1 to ``ARM`` slot ``ME`` on every
     source flagged ``arm_now``; every program waits until each destination's ``ARM`` slot
     reaches ``arm_wait`` (its earlier use of its region and output is over), except where the
-    word says the arm is known (a one-launch reduce checks those at its end: `confirm_arms`)."""
+    word says the arm is known (a one-launch reduce only: docs/native.md, "The arm known")."""
     if HS_ARM:
         if tl.program_id(0) == 0:
             for c in tl.static_range(W):
                 if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) & 1) != 0:
                     add_to_peer(sig_peers, c, ARM, W, ME)
-        await_arms(sig, p0, p1, p2, p3, p4, p5, p6, p7, W, 0, PAUSE)
-
-
-@triton.jit
-def await_arms(
-    sig, p0, p1, p2, p3, p4, p5, p6, p7, W: tl.constexpr, KNOWN: tl.constexpr, PAUSE: tl.constexpr
-):
-    """Wait until each destination's ``ARM`` slot reaches its ``arm_wait``: those whose arm is
-    not known (``KNOWN`` 0), or only those whose arm is known (``KNOWN`` 1)."""
-    slots = sig.to(tl.pointer_type(tl.int64))
-    for c in tl.static_range(W):
-        word = peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7)
-        want = (word >> 32) & 0x3FFFFFFF
-        if KNOWN:
-            due = (want > 0) & (word < 0)
-        else:
-            due = (want > 0) & (word >= 0)
-        if due:
-            await_at_least(slots + ARM * W + c, want, PAUSE, False)
+        slots = sig.to(tl.pointer_type(tl.int64))
+        for c in tl.static_range(W):
+            word = peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7)
+            want = (word >> 32) & 0x3FFFFFFF
+            if (want > 0) & (word >= 0):  # a known arm (the sign bit) is not awaited
+                await_at_least(slots + ARM * W + c, want, PAUSE, False)
 
 
 @triton.jit

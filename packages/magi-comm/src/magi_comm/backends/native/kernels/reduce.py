@@ -22,7 +22,6 @@ from .copy import _publish, _pulled_peers
 from .handshake import (
     PEER_ARGS,
     add_to_peer,
-    await_arms,
     await_at_least,
     await_rows,
     fail,
@@ -36,7 +35,6 @@ __all__ = ["REDUCE_WARPS", "launch_reduce", "reduce_tile_rows"]
 # jit code reads module globals only as constexprs
 DONE = tl.constexpr(proto.DONE)
 READY = tl.constexpr(proto.READY)
-PULL_ACCEPT = tl.constexpr(proto.PULL_ACCEPT)
 _PUB_SHIFT_SRC = tl.constexpr(PULL_SOURCE_SHIFT)
 _PUB_SHIFT_SPLIT = tl.constexpr(PULL_SPLIT_SHIFT)
 _PUB_SPLIT_MASK = tl.constexpr(PULL_SPLIT_MASK)
@@ -56,8 +54,8 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
                   W: tl.constexpr, ME: tl.constexpr, MAPW: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The call's handshake in the reduction itself (``START``: one launch on 2 ranks): program
     0 arms the sources flagged ``arm_now`` and waits for the destinations' arms (their earlier
-    calls are over and their accept words in place) but those known (`_confirm_known_arms`
-    checks them at the end), publishes every destination's pull map
+    calls are over and their accept words in place) but those known (docs/native.md, "The
+    arm known"), publishes every destination's pull map
     (each must pull: a destination that does not accept would need its rows sent, which this
     launch cannot do, so it traps instead), records the decisions under each destination's epoch
     and signals READY; every program then acquires each source's READY count before its first
@@ -88,31 +86,14 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
 
 
 @triton.jit
-def _confirm_known_arms(sig, accepts, p0, p1, p2, p3, p4, p5, p6, p7, W: tl.constexpr, PAUSE: tl.constexpr):
-    """A one-launch reduce published its pull maps without awaiting the arms it knew (its last
-    call to each such destination was a pulled one launch, whose DONE it awaited: nothing of
-    ours is read there any more). What the arm also carries is checked here, late: the
-    destination's accept word for this call. A destination that refused (its call is staged:
-    the ranks disagree on the reduction) gets no rows from this launch, so it ends with an
-    error (`fail`), as the start's check does for a destination it awaited."""
-    await_arms(sig, p0, p1, p2, p3, p4, p5, p6, p7, W, 1, PAUSE)
-    for c in tl.static_range(W):
-        accept = tl.load(accepts.to(tl.pointer_type(tl.int64)) + c, volatile=True)
-        if (peer_word(c, p0, p1, p2, p3, p4, p5, p6, p7) < 0) & (accept != PULL_ACCEPT):
-            fail(PAUSE, REFUSED)
-
-
-@triton.jit
-def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, accepts, p0, p1, p2, p3,
-                p4, p5, p6, p7, W: tl.constexpr, ME: tl.constexpr, WAIT_DONE: tl.constexpr, START: tl.constexpr,
-                PAUSE: tl.constexpr):  # fmt: skip
+def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W: tl.constexpr,
+                ME: tl.constexpr, WAIT_DONE: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """The fused reduction's last program: raise ``DONE`` on every source to the pair's epoch
-    (this rank no longer reads its input); after a one-launch start (``START``), confirm the
-    arms it did not await (`_confirm_known_arms`); with ``WAIT_DONE`` (our input may be read in
-    place) wait for ``DONE`` of every destination this call's send left its rows to
-    (``decided``, written by the send kernel: waited for first, since the reduction may run
-    beside it). Reads are complete once every program has counted itself (the values were
-    used before), so GPU scope suffices there."""
+    (this rank no longer reads its input); with ``WAIT_DONE`` (our input may be read in place)
+    wait for ``DONE`` of every destination this call's send left its rows to (``decided``,
+    written by the send kernel: waited for first, since the reduction may run beside it).
+    Reads are complete once every program has counted itself (the values were used before),
+    so GPU scope suffices there."""
     tl.debug_barrier()
     cnt = counter.to(tl.pointer_type(tl.int32))
     finished = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
@@ -123,8 +104,6 @@ def _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7
             if src_epoch > 0:
                 peer = tl.load(sig_peers.to(tl.pointer_type(tl.int64)) + c).to(tl.pointer_type(tl.int64))
                 tl.atomic_max(peer + DONE * W + ME, src_epoch, sem="release", scope="sys")
-        if START:
-            _confirm_known_arms(sig, accepts, p0, p1, p2, p3, p4, p5, p6, p7, W, PAUSE)
         if WAIT_DONE:
             slots = sig.to(tl.pointer_type(tl.int64))
             for c in tl.static_range(W):
@@ -302,8 +281,7 @@ def _reduce_kernel(
         tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
         tile += tl.num_programs(0)
     if END:
-        _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, accepts, p0, p1, p2, p3,
-                    p4, p5, p6, p7, W, ME, WAIT_DONE, START, PAUSE)  # fmt: skip
+        _reduce_end(sig, sig_peers, counter, decided, d0, d1, d2, d3, d4, d5, d6, d7, W, ME, WAIT_DONE, PAUSE)
 
 
 _reduce = CompiledKernel(_reduce_kernel)
