@@ -237,12 +237,16 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
 
     for _ in range(5):
         fn()
+    # the start line's tensor made before the profile: its fill kernel in the trace would be
+    # the "first step" summarize leaves out, and every call would then count (20 calls over 19
+    # steps: 5% too long, the seventeenth session's first profiles, docs/perf.md)
+    line = torch.zeros(1, device=torch.cuda.current_device())
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         if ahead:
             torch.cuda._sleep(iters * 1_000_000)
-            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
+            dist.all_reduce(line)
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()

@@ -139,7 +139,7 @@ class NativeConfig:
             group (compared when the group is set up).
         known_arms: a one-launch reduce whose previous call to the peer was a pulled one launch
             too publishes without awaiting the peer's arm (docs/native.md, "The arm known"):
-            +3-4% GB/s at 16 MiB, +1% at 64 MiB on 2x H100 (docs/perf.md). Off by default: a
+            +2.7-4.5% GB/s at 16 MiB, +0.8-1.4% at 64 MiB on 2x H100 (docs/perf.md). Off by default: a
             program that creates its backends differently on the two ranks (one rank's call
             staged while the other takes one launch) then has the staged rank read stale rows
             once before both ranks end in an error (without it: an error at once, no stale

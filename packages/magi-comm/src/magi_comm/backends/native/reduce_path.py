@@ -24,8 +24,9 @@ __all__ = ["ONE_LAUNCH_PROGRAMS", "ReducePath"]
 # programs of a one-launch reduction (they stride over its tiles): each acquires its source's
 # READY once. tools/bench_pull_floor.py's plain pull + add on 2x H100 put it near 2112 (level
 # with one per tile alone, 3-5% less time in one launch at 16 MiB); the fused reduction's own
-# sweeps (docs/perf.md, "group_reduce: the arm known", (b)): 1024 0.2-0.6% more GB/s than 2048
-# in two turns, 768 and 512 less, 8192 and a program per tile less (the session before)
+# sweeps (docs/perf.md, "group_reduce: the arm known", (b)): 1024 0.5-0.7% more GB/s than 2048
+# in each of two turns; 768 level at 16 MiB, 4% less at 64; 512 less; 8192 and a program per
+# tile less (the session before)
 ONE_LAUNCH_PROGRAMS = 1024
 
 
