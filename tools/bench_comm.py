@@ -240,7 +240,7 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
     # the start line's tensor made before the profile: its fill kernel in the trace would be
     # the "first step" summarize leaves out, and every call would then count (20 calls over 19
     # steps: 5% too long, the seventeenth session's first profiles, docs/perf.md)
-    line = torch.zeros(1, device=torch.cuda.current_device())
+    line = torch.zeros(1, device=torch.cuda.current_device()) if ahead else None
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -50,7 +50,8 @@
 #               grid of the one-launch reduction (MAGI_COMM_NATIVE_REDUCE_PROGRAMS: 0 = its
 #               default, 1000000 = a program per tile, 8192, 1024) and with one launch off
 #   known-arms  (not in all) the one-launch reduce publishing without the arm it knows (magi-comm
-#               native.md, "The arm known"): gpu_native_check.py, then bench_comm at 16 and 64 MiB
+#               native.md, "The arm known"; off by default): gpu_native_check.py with it on, then
+#               bench_comm at 16 and 64 MiB
 #               with MAGI_COMM_NATIVE_KNOWN_ARMS=1 and 0 in turn, twice, and once on with the
 #               one-launch grid of 2048 programs (the default before 1024; it also caps the plain
 #               reduce's reduction)
@@ -220,14 +221,14 @@ if [[ $what == one-launch ]]; then
   done
 fi
 if [[ $what == known-arms ]]; then
-  step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
+  step native_check.log 25 300 env MAGI_COMM_NATIVE_KNOWN_ARMS=1 $run2 packages/magi-comm/tests/gpu_native_check.py
   for turn in 1 2; do
     for known in 1 0; do
       step "bench_comm_known${known}_${turn}.log" 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=$known $run2 \
         tools/bench_comm.py --sizes 16,64
     done
   done
-  step bench_comm_known1_programs2048.log 10 200 env MAGI_COMM_NATIVE_REDUCE_PROGRAMS=2048 $run2 \
+  step bench_comm_known1_programs2048.log 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=1 MAGI_COMM_NATIVE_REDUCE_PROGRAMS=2048 $run2 \
     tools/bench_comm.py --sizes 16,64
 fi
 if [[ $what == pulled-step ]]; then

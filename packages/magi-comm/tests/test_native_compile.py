@@ -142,7 +142,8 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert fw.reduce_shapes == {(4, 8)}, fw.reduce_shapes
     # on 2 ranks some reduces from symmetric inputs took one launch (its start steps compiled)
     assert (fw.one_launch_reduces > 0) == (world == 2), fw.one_launch_reduces
-    # and some of them knew the peer's arm (their packed words reached the real launches)
+    # and some of them knew the peer's arm (the fake world counts those; the real launch only
+    # compiled them: a packed word is a run-time argument)
     assert (fw.known_arms > 0) == (world == 2), fw.known_arms
 
 
@@ -285,22 +286,22 @@ def test_a_waiting_reduction_refuses_another_tile():
 
 def test_a_known_arm_is_for_the_one_launch_reduce_only(monkeypatch):
     """A packed word with the arm known keeps its counts (the sign bit carries the flag), is
-    refused for a source-only word, and a copy launch refuses it before compiling: its start
-    would skip the arm wait with no check at its end."""
+    refused for a source-only word, and a copy launch refuses it before compiling (what makes
+    an arm known covers the peer's reads of our input, not the regions a copy launch writes)."""
     from magi_comm.backends.native.layout import TaskTable, to_blocks
 
     word = proto.pack_peer(7, 3, True, known=True)
     assert proto.arm_known(word) and word < 0 and proto.unpack_peer(word) == (7, 3, True)
     assert not proto.arm_known(proto.pack_peer(7, 3, True))
-    with pytest.raises(ValueError, match="known"):
+    with pytest.raises(ValueError, match=r"known=True needs a destination .*arm_wait=0"):
         proto.pack_peer(0, 3, known=True)
     ptx = _capture_ptx(monkeypatch)
     n = 64
-    words = torch.zeros(64, dtype=torch.int64)
+    sig = torch.zeros(64, dtype=torch.int64)  # the signal array (and the other words the launch takes)
     buf = torch.zeros(2 * n, dtype=torch.int64)
-    hs = proto.Handshake(words.data_ptr(), words.data_ptr(), words.data_ptr(), 1)
+    hs = proto.Handshake(sig.data_ptr(), sig.data_ptr(), sig.data_ptr(), 1)
     task = TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]]))
     send = kernels.CopyLaunch(to_blocks(task, 1, 16), [buf.data_ptr(), None], torch.int64, handshake=hs)
-    with pytest.raises(ValueError, match="one-launch reduce only"):
+    with pytest.raises(ValueError, match=r"words\[0\]: a known arm .* one-launch reduce only"):
         send(buf.data_ptr(), buf.data_ptr() + 8 * n, sync=proto.ARM_AND_WAIT, words=(word, proto.pack_peer()))
     assert not ptx

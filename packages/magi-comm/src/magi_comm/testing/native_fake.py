@@ -77,7 +77,7 @@ class FakeWorld:
         self.pulled_rows = 0  # reduction terms read from a source's input (pull)
         self.published_maps = 0  # pull maps written by send launches (not header 0)
         self.one_launch_reduces = 0  # reductions that made their call's handshake (one launch)
-        self.known_arms = 0  # arms a one-launch reduction did not await (checked at its end)
+        self.known_arms = 0  # arms a one-launch reduction did not await (known)
         self.done_waits = 0  # DONE waits of fused reductions whose input may have been pulled
         self.done_signals = 0  # DONE raised by fused reductions
         self.gathered: list = [None] * world

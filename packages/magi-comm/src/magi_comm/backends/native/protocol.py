@@ -73,12 +73,12 @@ def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False, kno
     """One peer's word for a handshake launch: the ``ARM`` count to wait for (it is a
     destination when > 0; also the pair's epoch), the ``READY`` count to wait for (a source
     when > 0), and whether this launch arms it. ``known`` (a destination of a one-launch
-    reduce, docs/native.md "The arm known"): its arm need not be awaited before the publish
-    step, only checked at the end. As a signed int64 (``known`` is the sign bit)."""
+    reduce, docs/native.md "The arm known"): its arm is not awaited, and nothing checks it
+    later. As a signed int64 (``known`` is the sign bit)."""
     if not (0 <= arm_wait < 1 << _ARM_BITS and 0 <= ready_wait < 1 << 31):
         raise ValueError(f"signal counts out of range: arm_wait={arm_wait}, ready_wait={ready_wait}")
     if known and not arm_wait:
-        raise ValueError("known: only a destination's arm (arm_wait > 0) may be known")
+        raise ValueError(f"known=True needs a destination (arm_wait > 0), got arm_wait={arm_wait}")
     word = _TAG | arm_wait << 32 | ready_wait << 1 | int(bool(arm_now))
     return word - _KNOWN if known else word
 

@@ -131,9 +131,7 @@ class Transport:
         for k, rnd in enumerate(rounds):
             for d in rnd.send_peers:
                 if k == 0:  # d's earlier use of its region and output is over
-                    n.arms_seen[d] += 1
-                    n.arm_known[d] = False
-                    st.wait(ARM, d, n.arms_seen[d])
+                    st.wait(ARM, d, self._count_arm(d)[0])
                 else:  # d consumed our previous round
                     n.acks_seen[d] += 1
                     st.wait(ACK, d, n.acks_seen[d])
@@ -238,12 +236,20 @@ class Transport:
             n.recvd[s] += 1
             ready_wait[s] = n.recvd[s]
         for d in rnd.send_peers:
-            n.arms_seen[d] += 1
-            arm_wait[d] = n.arms_seen[d]
-            known[d] = one_launch and self.config.known_arms and n.arm_known[d]
-            n.arm_known[d] = one_launch
+            arm_wait[d], known[d] = self._count_arm(d, one_launch)
             n.sent[d] += 1
         return tuple(pack_peer(*w) for w in zip(arm_wait, ready_wait, arm_now, known)), ready_wait
+
+    def _count_arm(self, d: int, one_launch: bool = False) -> tuple[int, bool]:
+        """Count a call with rows for destination ``d``: returns the ``ARM`` count to await
+        (the pair's epoch) and whether ``d``'s arm is known (``one_launch``: a pulled one-launch
+        reduce, whose last call to ``d`` was one too, with ``NativeConfig.known_arms``); the
+        call then makes ``d``'s arm known for the next call only if it is such a launch."""
+        n = self.state.counts
+        n.arms_seen[d] += 1
+        known = one_launch and self.config.known_arms and n.arm_known[d]
+        n.arm_known[d] = one_launch
+        return n.arms_seen[d], known
 
     def _arm_launch(self):
         """The group's launch without rows that only arms and waits (built on first use)."""

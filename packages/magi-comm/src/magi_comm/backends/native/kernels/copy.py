@@ -472,8 +472,14 @@ class CopyLaunch:
             sync & proto.AWAIT_ROWS and self.waits is None
         ):
             raise ValueError("this launch was built without progress / wait tables")
-        if any(proto.arm_known(w) for w in words):  # it would skip the wait with no check after it
-            raise ValueError("a known arm is for a one-launch reduce only, not a copy launch")
+        for c, w in enumerate(words):
+            # what makes an arm known (the peer's DONE, awaited) covers our pull-map row and
+            # input only, not the peer's regions a copy launch writes
+            if proto.arm_known(w):
+                raise ValueError(
+                    f"words[{c}]: a known arm (pack_peer(known=True)) is for a one-launch reduce only, "
+                    f"got {w:#x} in a copy launch"
+                )
         handshake_steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
         # a publishing launch writes the headers even without blocks
         grid = self.sync_grid if sync & handshake_steps or pub else self.grid

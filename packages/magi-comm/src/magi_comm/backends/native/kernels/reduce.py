@@ -55,11 +55,13 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     """The call's handshake in the reduction itself (``START``: one launch on 2 ranks): program
     0 arms the sources flagged ``arm_now`` and waits for the destinations' arms (their earlier
     calls are over and their accept words in place) but those known (docs/native.md, "The
-    arm known"), publishes every destination's pull map
-    (each must pull: a destination that does not accept would need its rows sent, which this
-    launch cannot do, so it traps instead), records the decisions under each destination's epoch
-    and signals READY; every program then acquires each source's READY count before its first
-    tile, pausing between polls (up to ``ONE_LAUNCH_PROGRAMS`` programs poll at once). The words
+    arm known"), publishes every destination's pull map (each must pull: a destination that
+    does not accept would need its rows sent, which this launch cannot do, so it traps
+    instead; for a known arm the accept word read may be the previous call's, and a refusal
+    goes unseen here), records the decisions under each destination's epoch and signals READY;
+    every program then acquires each source's READY count before its first tile, pausing
+    between polls (the whole grid polls at once: ``ONE_LAUNCH_PROGRAMS`` programs unless
+    ``reduce_programs`` sets it). The words
     are those of the send kernel (``pack_peer``)."""
     if tl.program_id(0) == 0:
         # the send kernel's start, in this program alone: arm, then the destinations' arms
@@ -196,8 +198,8 @@ def _reduce_kernel(
     lane = tl.arange(0, 8)
     # one launch (START): every source's pull-map header is in place once its READY is acquired,
     # before the first tile, so each source's header and allocation base are read once here, not
-    # per tile (two of the three dependent loads ahead of each pulled row's NVLink read): +0.4 to
-    # +0.8% GB/s at 64 MiB on 2x H100 (docs/perf.md, "group_reduce: the arm known", (d)); the
+    # per tile (two of the three dependent loads ahead of each pulled row's NVLink read): +0.7%
+    # GB/s at 64 MiB, +0.5-0.7% at 16 on 2x H100 (docs/perf.md, "group_reduce: the arm known", (d)); the
     # reduction after a transfer kept its per-tile loads (hoisted there it lost 6%)
     HOISTED: tl.constexpr = PULL and START
     if HOISTED:
