@@ -227,6 +227,17 @@ def test_kernel_under_triton_interpreter(module, entry):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_one_launch_reduction_under_triton_interpreter():
+    """The one-launch reduction (``main_triton_one_launch``: its START step with known and
+    awaited arms, the tiles with each source's header read once, the DONE step) on CPU tensors
+    under TRITON_INTERPRET=1, in a subprocess; a known arm's slot stays 0, so a launch that
+    waited for it would end at the wait bound (5 s here), an error."""
+    env = dict(os.environ, TRITON_INTERPRET="1", MAGI_COMM_NATIVE_WAIT_TIMEOUT_S="5")
+    code = "from magi_comm.testing import native_sim_reduce; native_sim_reduce.main_triton_one_launch()"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_a_wait_for_a_peer_that_never_signals_raises_under_triton_interpreter():
     """The kernels' waits for a peer (its arm, its READY count, its rows) are bounded
     (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``): past the bound a launch ends with an error (compiled:

@@ -110,6 +110,8 @@ def check_fused_reduce(
     waits=False,
     pull_ranks=frozenset(),
     device="cpu",
+    one_launch=False,
+    rng=None,
 ) -> None:
     """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
     ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
@@ -118,7 +120,9 @@ def check_fused_reduce(
     the receivers read the rows there (the regions keep their poison for those); with Triton
     the reduction also runs its DONE step (raised on every source, awaited for a pulled
     input: the slots already hold the epoch). ``device``: where the Triton kernel runs (the
-    interpreter on "cpu", the compiled kernel on a GPU; every rank's memory on that device)."""
+    interpreter on "cpu", the compiled kernel on a GPU; every rank's memory on that device).
+    ``one_launch`` (Triton, every rank in ``pull_ranks``, no ``waits``): each rank's reduction
+    also makes the call's handshake (its START step), ``rng`` marking some arms known."""
     W = lay.world
     plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
     scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
@@ -144,7 +148,8 @@ def check_fused_reduce(
         out = olds[r].clone()
         if use_triton:
             out = _triton_fused_reduce(plans, r, R, E, on, regions[r], olds[r], (term_row, term_self, nterms),
-                                       (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks, device)  # fmt: skip
+                                       (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks, device,
+                                       one_launch, rng)  # fmt: skip
         else:
             pull = (term_pull, maps.data_ptr(), bases.data_ptr(), width)
             reg, _ = pulled_region(regions[r].clone(), term_row, term_self, nterms, pull)
@@ -153,10 +158,31 @@ def check_fused_reduce(
         assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay, pull_ranks)
 
 
-def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, acc, waits, pulled, device):
+def _triton_fused_reduce(
+    plans,
+    r,
+    R,
+    E,
+    inputs,
+    region,
+    old,
+    terms,
+    pull,
+    op,
+    acc,
+    waits,
+    pulled,
+    device,
+    one_launch=False,
+    rng=None,
+):
     """Rank ``r``'s fused reduction by the Triton kernel on ``device`` (see check_fused_reduce),
     with its DONE step: every source gets epoch 3 + r; our send of this call (epoch 5) left its
-    rows to the even destinations, which already signalled DONE. Returns the output (CPU)."""
+    rows to the even destinations, which already signalled DONE. ``one_launch``: the launch
+    makes the call's handshake itself (its START step; every destination pulls, so all of them
+    signalled DONE): it arms the sources, awaits the destinations' arms (those ``rng`` marks
+    known are not awaited: their slots stay 0), publishes our map into each destination's
+    pull-map area (checked) and signals READY (checked). Returns the output (CPU)."""
     from magi_comm.backends.native import protocol as proto
     from magi_comm.backends.native.kernels import launch_reduce, reduce_tile_rows
     from magi_comm.backends.native.progress import arrival_order, reduce_waits
@@ -173,6 +199,13 @@ def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, a
         order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
     for c in range(W):
         sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
+    start = known = None
+    if one_launch:
+        assert not waits and pulled
+        known = [dst[c] and rng is not None and rng.random() < 0.5 for c in range(W)]
+        for c in range(W):
+            sigs[r][proto.ARM * W + c] = 5 if dst[c] and not known[c] else 0
+            sigs[r][proto.READY * W + c] = 1 if src[c] else 0
     sigs = [x.to(device) for x in sigs]
     if waits:
         wait_args = (need.to(device), order.to(device), sigs[r].data_ptr(), words, 2)
@@ -183,6 +216,15 @@ def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, a
     decided = decided.to(device)
     done = tuple(proto.pack_done(5 if dst[c] else 0, 3 + r if src[c] else 0) for c in range(W))
     term_pull, maps, bases, width = pull
+    if one_launch:
+        words = tuple(
+            proto.pack_peer(5 if dst[c] else 0, 1 if src[c] else 0, src[c], known[c]) for c in range(W)
+        )
+        table = publish_table(plans[r], width, (r, 0, E * inputs[r].element_size())).to(device)
+        areas = [torch.zeros(W * width, dtype=torch.int64, device=device) for _ in range(W)]
+        area_addrs = torch.tensor([a.data_ptr() for a in areas], dtype=torch.int64).to(device)
+        accepts = torch.full((W,), proto.PULL_ACCEPT, dtype=torch.int64, device=device)
+        start = (words, table.data_ptr(), area_addrs.data_ptr(), accepts.data_ptr())
     out = old.to(device, copy=True)
     region, tables = region.to(device), [t.to(device) for t in (term_row, term_self, nterms, term_pull)]
     launch_reduce(
@@ -195,8 +237,17 @@ def _triton_fused_reduce(plans, r, R, E, inputs, region, old, terms, pull, op, a
         waits=wait_args,
         pull=(tables[3], maps.data_ptr(), bases.data_ptr(), width),
         end=(hs, counter.data_ptr(), decided.data_ptr(), done, pulled),
+        start=start,
     )
     sigs = [x.cpu() for x in sigs]
+    if one_launch:
+        for c in range(W):
+            row = publish_row(table.cpu(), W, c)
+            got = areas[c].cpu()[r * width : r * width + row.numel()]
+            assert torch.equal(got, row), (r, c, got, row)  # our map, in c's area (empty: no rows)
+            assert int(sigs[c][proto.READY * W + r]) == int(dst[c]), (r, c)  # READY raised
+            assert int(sigs[c][proto.ARM * W + r]) == int(src[c]), (r, c)  # the source armed
+            assert int(decided[c]) == (2 * 5 + 1 if dst[c] else 0), (r, c, decided)
     for c in range(W):
         assert int(sigs[c][proto.DONE * W + r]) == (3 + r if src[c] else 0), (r, c, sigs[c])
     assert int(counter[0]) == 0, counter
@@ -215,3 +266,18 @@ def main_triton_reduce(n: int = 16) -> None:
         check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
                            E=rng.choice([3, 4, 8]), waits=rng.random() < 0.5, pull_ranks=pull)  # fmt: skip
     print("native_sim_reduce triton ok", file=sys.stderr)
+
+
+def main_triton_one_launch(n: int = 10) -> None:
+    """Entry point: the one-launch reduction (its START step: arms, the destinations' arms, some
+    known and not awaited, the publish, READY, the sources' READY; then the tiles reading every
+    peer row in place, with each source's header read once; then DONE) through the Triton kernel
+    under TRITON_INTERPRET=1, against the oracle."""
+    rng = random.Random(12)
+    for _ in range(n):
+        world = rng.randint(1, 3)
+        lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
+        dtype = rng.choice([torch.float32, torch.float64, torch.float16])
+        check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
+                           E=rng.choice([4, 8]), pull_ranks=frozenset(range(world)), one_launch=True, rng=rng)  # fmt: skip
+    print("native_sim_reduce one launch triton ok", file=sys.stderr)
