@@ -199,10 +199,10 @@ def _triton_fused_reduce(
         order = arrival_order(need, plans[r].recv_counts).flip(0).contiguous()  # any order works
     for c in range(W):
         sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
-    start = known = None
+    start = None
+    known = [bool(dst[c] and one_launch and rng is not None and rng.random() < 0.5) for c in range(W)]
     if one_launch:
         assert not waits and pulled
-        known = [dst[c] and rng is not None and rng.random() < 0.5 for c in range(W)]
         for c in range(W):
             sigs[r][proto.ARM * W + c] = 5 if dst[c] and not known[c] else 0
             sigs[r][proto.READY * W + c] = 1 if src[c] else 0
