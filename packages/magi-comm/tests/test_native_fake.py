@@ -742,10 +742,11 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     with pytest.raises(BaseException) as info:
         _pulled_reduces(2, configs, [True, True], steps=2, pick=lambda step, rank: rank * step,
                         checked=lambda step, rank: step == 0 or rank == 0, seen=seen)  # fmt: skip
-    # rank 0's own error (the staged rank's barrier may give up first and be the one raised)
+    # rank 0's own error (the staged rank's barrier may give up first and be the one raised): its
+    # DONE wait past the bound, or, on a loaded machine, an earlier wait for the slow staged peer
     assert 0 in seen["errors"], info.value
     chain = seen["errors"][0]
-    assert any("DONE wait" in m and "timed out" in m for m in chain), chain
+    assert any("timed out" in m for m in chain), chain
     assert seen["world"].known_arms >= 1, "the second call awaited the arm"
 
 
