@@ -78,6 +78,7 @@ class FakeWorld:
         self.published_maps = 0  # pull maps written by send launches (not header 0)
         self.one_launch_reduces = 0  # reductions that made their call's handshake (one launch)
         self.known_arms = 0  # arms a one-launch reduction did not await (known)
+        self.errors: dict[int, BaseException] = {}  # each rank's failure (run_ranks)
         self.done_waits = 0  # DONE waits of fused reductions whose input may have been pulled
         self.done_signals = 0  # DONE raised by fused reductions
         self.gathered: list = [None] * world
@@ -390,7 +391,8 @@ def default_collective(group, backend):
 
 def run_ranks(world: FakeWorld, fn) -> None:
     """Run ``fn(rank)`` on one thread per rank, each with its rank's platform installed as its
-    process platform; re-raise the first failure."""
+    process platform; re-raise the first failure. Every rank's failure stays in
+    ``world.errors`` (rank -> exception): the one raised may be another rank's."""
     errors: list[BaseException] = []
 
     def body(rank):
@@ -400,6 +402,7 @@ def run_ranks(world: FakeWorld, fn) -> None:
                 fn(rank)
         except BaseException as e:
             errors.append(e)
+            world.errors[rank] = e
             world.barrier.abort()
             with world.cond:
                 world.cond.notify_all()

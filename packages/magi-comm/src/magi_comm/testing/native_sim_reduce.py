@@ -147,9 +147,12 @@ def check_fused_reduce(
         maps, bases = (x.to(device) for x in _pull_setup(plans, on, pull_ranks, r, width, E * w))
         out = olds[r].clone()
         if use_triton:
+            known = None
+            if one_launch:  # some destinations' arms known, drawn from rng
+                known = [plans[r].send_counts[c] > 0 and c != r and rng.random() < 0.5 for c in range(W)]
             out = _triton_fused_reduce(plans, r, R, E, on, regions[r], olds[r], (term_row, term_self, nterms),
                                        (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks, device,
-                                       one_launch, rng)  # fmt: skip
+                                       known)  # fmt: skip
         else:
             pull = (term_pull, maps.data_ptr(), bases.data_ptr(), width)
             reg, _ = pulled_region(regions[r].clone(), term_row, term_self, nterms, pull)
@@ -173,15 +176,14 @@ def _triton_fused_reduce(
     waits,
     pulled,
     device,
-    one_launch=False,
-    rng=None,
+    known=None,
 ):
     """Rank ``r``'s fused reduction by the Triton kernel on ``device`` (see check_fused_reduce),
     with its DONE step: every source gets epoch 3 + r; our send of this call (epoch 5) left its
-    rows to the even destinations, which already signalled DONE. ``one_launch``: the launch
-    makes the call's handshake itself (its START step; every destination pulls, so all of them
-    signalled DONE): it arms the sources, awaits the destinations' arms (those ``rng`` marks
-    known are not awaited: their slots stay 0), publishes our map into each destination's
+    rows to the even destinations, which already signalled DONE. ``known`` (per peer, whether
+    its arm is known; None: not one launch): the launch makes the call's handshake itself (its
+    START step; every destination pulls, so all of them signalled DONE): it arms the sources,
+    awaits the destinations' arms (not the known ones: their slots stay 0), publishes our map into each destination's
     pull-map area (checked) and signals READY (checked). Returns the output (CPU)."""
     from magi_comm.backends.native import protocol as proto
     from magi_comm.backends.native.kernels import launch_reduce, reduce_tile_rows
@@ -200,7 +202,7 @@ def _triton_fused_reduce(
     for c in range(W):
         sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
     start = None
-    known = [bool(dst[c] and one_launch and rng is not None and rng.random() < 0.5) for c in range(W)]
+    one_launch = known is not None
     if one_launch:
         assert not waits and pulled
         for c in range(W):

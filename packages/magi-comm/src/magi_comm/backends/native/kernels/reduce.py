@@ -201,7 +201,7 @@ def _reduce_kernel(
     # per tile (two of the three dependent loads ahead of each pulled row's NVLink read): +0.7%
     # GB/s at 64 MiB, +0.5-0.7% at 16 on 2x H100 (docs/perf.md, "group_reduce: the arm known", (d)); the
     # reduction after a transfer kept its per-tile loads (hoisted there it lost 6%)
-    HOISTED: tl.constexpr = PULL and START
+    HOISTED: tl.constexpr = START  # (a start comes with PULL: launch_reduce refuses one without)
     if HOISTED:
         maps64 = pull_maps.to(tl.pointer_type(tl.int64))
         hdrs = tl.load(maps64 + lane * MAPW, mask=lane < W, other=0)
