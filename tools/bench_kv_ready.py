@@ -6,7 +6,7 @@ costs, and what it overlaps.
 A cp-like call: q has T tokens, K/V have 2T rows, ``[local; remote]``; q attends to the local
 keys causally and (``--remote all``) every q row to the remote ones fully (a later rank's view
 of one causal document at cp 2) or (``half``) only the second half of q (the first half's tiles
-read local rows only: the forward with ``kv_ready`` runs them first), the local slice listed
+read local rows only), the local slice listed
 first. Hq 32, Hk 8, D 128, bf16. Timed (CUDA events, median of rounds, the four calls in turn each round):
 
 * plain: the forward over complete rows;

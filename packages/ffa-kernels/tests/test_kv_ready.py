@@ -20,7 +20,11 @@ def _inputs(seed=0, tq=40, tk=56, hq=4, hk=2, d=16):
 
 
 @pytest.mark.parametrize("first_row", [0, 20, 31, 56])
-def test_reference_result_does_not_change_once_the_flag_holds(first_row):
+def test_a_flag_that_holds_is_taken_and_changes_nothing(first_row):
+    """On the reference backend a flag that holds (equal to its value or past it) is accepted at
+    every first row, and the result is the call's without ``kv_ready``: the check refuses no
+    good flag, and nothing of the reference reads differently (the waiting itself is tested on
+    the GPU, test_kv_ready_gpu.py)."""
     q, k, v, qr, kr, tm = _inputs()
     plain = ffa_forward(q, k, v, qr, kr, tm, return_max_logits=True)
     flag = torch.tensor([7, -1], dtype=I32)  # the first element is the word
@@ -93,3 +97,19 @@ def test_bad_kv_ready_names_the_field(ready, exc, pattern):
     q, k, v, qr, kr, tm = _inputs()
     with pytest.raises(exc, match=pattern):
         ffa_forward(q, k, v, qr, kr, tm, kv_ready=ready)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_the_launch_refuses_to_copy_late_rows(which):
+    """The CuTe launch itself refuses a k or v it would copy when some rows are late, before any
+    kernel is built (the frontend's check stands in front of it; this keeps the rule where the
+    copy would be made)."""
+    interface = pytest.importorskip("ffa_kernels.cute.interface")
+    q, k, v, *_ = _inputs()
+    strided = {"k": k, "v": v}[which].transpose(1, 2).contiguous().transpose(1, 2)
+    args = dict(k=k, v=v) | {which: strided}
+    lse = torch.empty(q.shape[0], q.shape[1])
+    ready = KVReady(torch.tensor([1], dtype=I32), 1, 20)
+    with pytest.raises(ValueError, match="kv_ready: k and v must be read in place"):
+        interface._launch(None, False, None, q, args["k"], args["v"], None, lse, None, None, None,
+                          1.0, 0.0, 0, None, 1, ready)  # fmt: skip
