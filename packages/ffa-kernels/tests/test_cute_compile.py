@@ -998,14 +998,31 @@ WAIT_KV_VARIANTS = [  # (head_dim, head_dim_v, dtype, softcap, G): the forward w
 def test_compile_wait_kv_variants(d, dv, dt, softcap, g, tmp_path, monkeypatch):
     """The forward that waits for late key/value rows (`ffa_forward`'s ``kv_ready``: its load
     warp spins on a flag before the first block reaching them) compiles for sm_90a with no GPU,
-    under its own compile key, and takes the arguments the packed launcher gives it."""
+    under its own compile key, and takes the arguments the packed launcher gives it. Its PTX
+    has the wait: a system-scope acquire load of the flag, the global timer read in the loop
+    (the bound), the trap past it and the async-proxy fence before the TMA loads."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("FFA_CACHE_DIR", str(tmp_path))
+    from cutlass.cutlass_dsl import CuTeDSL
+
     from ffa_kernels.cute import compile_cache, interface
+
+    # the DSL read CUTE_DSL_KEEP_PTX / _DUMP_DIR at import: its settings object, patched
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    envar = CuTeDSL._get_dsl().envar
+    monkeypatch.setattr(envar, "keep_ptx", True)
+    monkeypatch.setattr(envar, "dump_dir", str(dump))
 
     cfg = default_config(d, dv)
     key = interface.compile_key(dt, cfg, softcap, False, g, wait_kv=True)
-    assert ("wait_kv", True) in key.flags and key != interface.compile_key(dt, cfg, softcap, False, g)
+    assert key != interface.compile_key(dt, cfg, softcap, False, g)
     compile_cache.forget(key)
     fn = interface.get_kernel(dt, cfg, softcap, pack=g, wait_kv=True, use_disk_cache=False)
     assert_packed_launch_equals_dsl(fn, dt, False)
+    (ptx,) = [p.read_text() for p in dump.glob("*.ptx")]
+    loop = ptx[ptx.index("ld.acquire.sys.global.s32") :]
+    assert "%globaltimer" in loop[: loop.index("fence.proxy.async.global")], (
+        "the bound's clock is not read in the loop"
+    )
+    assert "trap;" in loop[: loop.index("fence.proxy.async.global")]

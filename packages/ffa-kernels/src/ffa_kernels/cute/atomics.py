@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -87,19 +87,6 @@ WAIT_LIMIT_NS = 1 << 36
 
 
 @dsl_user_op
-def fence_proxy_async_global(*, loc=None, ip=None) -> None:
-    """Order this thread's earlier generic-proxy accesses (an acquire) before its later
-    async-proxy ones (TMA loads) on global memory (``fence.proxy.async.global``)."""
-    _asm(None, [], "fence.proxy.async.global;", "")
-
-
-@dsl_user_op
-def global_timer_ns(*, loc=None, ip=None) -> Int64:
-    """The GPU's global nanosecond timer (``%globaltimer``)."""
-    return Int64(_asm(Int64.mlir_type, [], "mov.u64 $0, %globaltimer;", "=l"))
-
-
-@dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """Abort the launch: the CUDA context is left in error, so the host's next CUDA call raises."""
     _asm(None, [], "trap;", "")
@@ -111,8 +98,8 @@ def await_flag(ptr: cute.Pointer, value: Int32):
     async proxy so that the TMA loads that follow see what was written before the flag rose.
     A flag that has not risen after ``WAIT_LIMIT_NS`` ends the kernel with ``trap``: an error
     on the host, never a hang."""
-    start = global_timer_ns()
+    start = cute.arch.globaltimer()
     while load_acquire_i32(ptr, "sys") < value:
-        if global_timer_ns() - start > cutlass.Int64(WAIT_LIMIT_NS):
+        if cute.arch.globaltimer() - start > cutlass.Int64(WAIT_LIMIT_NS):
             trap()
-    fence_proxy_async_global()
+    cute.arch.fence_proxy("async.global")

@@ -336,9 +336,7 @@ class FFAForwardSm90:
     ):  # fmt: skip
         cfg = self.cfg
         # wait_kv: 0 until this CTA has waited for the rows from ready_row on (once at most)
-        waited = Int32(1)
-        if cutlass.const_expr(self.wait_kv):
-            waited = Int32(0)
+        waited = Int32(0)
         gQ = tma_q[None, None, head]
         gK = tma_k[None, None, head_kv]
         gV = tma_v[None, None, head_kv]
