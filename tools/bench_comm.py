@@ -65,6 +65,15 @@ def layout(rank: int, world: int, rows: int):
     return in_sizes, out_sizes, dst, src
 
 
+def start_line(line: torch.Tensor, iters: int, ahead: bool) -> None:
+    """Where the ranks' streams meet before timed calls: with ``ahead`` the GPU first sleeps
+    ~0.5 ms per call (at ~2 GHz) so the host can enqueue them all; then an all_reduce of
+    ``line`` (a one-element tensor made beforehand) on the device."""
+    if ahead:
+        torch.cuda._sleep(iters * 1_000_000)
+    dist.all_reduce(line)
+
+
 def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     """Seconds per call: slowest rank, CUDA events on the current stream.
 
@@ -76,13 +85,12 @@ def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     another rank to start."""
     for _ in range(warmup):
         fn()
+    line = torch.zeros(1, device=torch.cuda.current_device())
     torch.cuda.synchronize()
     dist.barrier()
     slept, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     slept.record()
-    if ahead:
-        torch.cuda._sleep(iters * 1_000_000)  # ~0.5 ms per call at ~2 GHz
-    dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))  # device-side start line
+    start_line(line, iters, ahead)
     start.record()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -240,16 +248,25 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
     # the start line's tensor made before the profile: its fill kernel in the trace would be
     # the "first step" summarize leaves out, and every call would then count (20 calls over 19
     # steps: 5% too long, the seventeenth session's first profiles, docs/perf.md)
-    line = torch.zeros(1, device=torch.cuda.current_device()) if ahead else None
+    line = torch.zeros(1, device=torch.cuda.current_device())
     torch.cuda.synchronize()
     dist.barrier()
+    slept, start = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         if ahead:
-            torch.cuda._sleep(iters * 1_000_000)
-            dist.all_reduce(line)
+            slept.record()
+            start_line(line, iters, ahead)
+            start.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
+    if ahead and host_ms >= slept.elapsed_time(start):  # as in timed: the period is the host's
+        print(
+            f"-- {name} rank {rank}: the host took {host_ms:.1f} ms, past the sleep: not device time",
+            flush=True,
+        )
     dist.barrier()
     path = os.path.join(os.environ.get("OUT", "."), f"comm_trace_{name}_rank{rank}.json")
     prof.export_chrome_trace(path)
