@@ -35,10 +35,10 @@ class PairCounters:
         acks_seen: between-round acknowledgements awaited from each destination.
         map_sent: token of the map this rank last put to each source (-1: none yet).
         accept_sent: accept word this rank last put to each source (-1: none yet).
-        map_tokens: maps built so far (each gets the next token).
         arm_known: per destination, whether its arm need not be awaited before this rank's
             next call to it publishes: the last call to it was a pulled one launch, which
             awaited its ``DONE`` (docs/native.md, "The arm known").
+        map_tokens: maps built so far (each gets the next token).
     """
 
     sent: list[int]
