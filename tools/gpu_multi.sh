@@ -8,8 +8,8 @@
 #
 #   tests       pytest -m gpu packages/magi-dist packages/magi-comm (a2av), the magi-dist GPU tests
 #               again with MAGI_COMM_BACKEND=native (and with MAGI_DIST_SYMMETRIC_PARTIALS_MB=256:
-#               the backward's partials pulled from symmetric outputs), and the 2-GPU native check
-#               (packages/magi-comm/tests/gpu_native_check.py)
+#               the backward's partials pulled from symmetric outputs), and the 2-GPU native checks
+#               (packages/magi-comm/tests/gpu_native_check.py, gpu_backends_differ.py)
 #   train       integration_tests/test_cp_training.py on 2 GPUs: examples/cp_train.py, NCCL, bf16,
 #               checked against one GPU (loss curve, final weights; deterministic: bitwise repeat)
 #   fail        integration_tests/test_reliability.py -m gpu: a peer that raises or exits
@@ -50,11 +50,10 @@
 #               grid of the one-launch reduction (MAGI_COMM_NATIVE_REDUCE_PROGRAMS: 0 = its
 #               default, 1000000 = a program per tile, 8192, 1024) and with one launch off
 #   known-arms  (not in all) the one-launch reduce publishing without the arm it knows (magi-comm
-#               native.md, "The arm known"; off by default): gpu_native_check.py with it on, then
-#               bench_comm at 16 and 64 MiB
-#               with MAGI_COMM_NATIVE_KNOWN_ARMS=1 and 0 in turn, twice, and once on with the
-#               one-launch grid of 2048 programs (the default before 1024; it also caps the plain
-#               reduce's reduction)
+#               native.md, "The arm known"; on by default): gpu_native_check.py, the backends
+#               that differ on the two ranks (gpu_backends_differ.py: errors, no stale rows),
+#               then bench_comm at 16 and 64 MiB with MAGI_COMM_NATIVE_KNOWN_ARMS=1 and 0 in
+#               turn, twice
 #   pulled-step (not in all) the cp 2 step with pulled partials (their reduce in one launch)
 #               against plain ones in turns (tools/step_ab.py, MAGI_DIST_SYMMETRIC_PARTIALS_MB=4096;
 #               varlen causal and varlen full, TOTALS)
@@ -121,6 +120,7 @@ if part tests; then
   step gpu_tests_native_pull.log 8 300 env MAGI_COMM_BACKEND=native MAGI_DIST_SYMMETRIC_PARTIALS_MB=256 \
     python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
+  step backends_differ.log 5 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
 fi
 if part train; then
   step cp_training.log 30 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rA integration_tests/test_cp_training.py
@@ -221,15 +221,14 @@ if [[ $what == one-launch ]]; then
   done
 fi
 if [[ $what == known-arms ]]; then
-  step native_check.log 25 300 env MAGI_COMM_NATIVE_KNOWN_ARMS=1 $run2 packages/magi-comm/tests/gpu_native_check.py
+  step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
+  step backends_differ.log 5 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
   for turn in 1 2; do
     for known in 1 0; do
       step "bench_comm_known${known}_${turn}.log" 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=$known $run2 \
         tools/bench_comm.py --sizes 16,64
     done
   done
-  step bench_comm_known1_programs2048.log 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=1 MAGI_COMM_NATIVE_REDUCE_PROGRAMS=2048 $run2 \
-    tools/bench_comm.py --sizes 16,64
 fi
 if [[ $what == pulled-step ]]; then
   step step_ab_pulled_cp2.log 40 420 env MAGI_COMM_BACKEND=native NVSHMEM_SYMMETRIC_SIZE=8G $run2 tools/step_ab.py \

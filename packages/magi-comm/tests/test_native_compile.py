@@ -130,6 +130,7 @@ def test_every_backend_launch_compiles_for_hopper(monkeypatch, world):
     assert names == {"_copy_kernel", "_reduce_kernel"}, names
     assert len(compiler.compiled) > 20, len(compiler.compiled)
     assert fw.overlapped > 0 and fw.progress_signals > 0, (fw.overlapped, fw.progress_signals)
+    assert fw.unpulled_checks > 0, "no staged receive copy (its check of the sources) compiled"
     assert fw.reduce_shapes == {(4, 8)}, fw.reduce_shapes
     # on 2 ranks some reduces from symmetric inputs took one launch (its start steps compiled)
     assert (fw.one_launch_reduces > 0) == (world == 2), fw.one_launch_reduces

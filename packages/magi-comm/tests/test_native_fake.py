@@ -17,6 +17,7 @@ import magi_comm.testing as lib
 from magi_comm._plan import build_cast_plan, build_reduce_plan
 from magi_comm.backends import native
 from magi_comm.backends.native import NativeBackend, NativeConfig
+from magi_comm.backends.native import protocol as proto
 from magi_comm.testing import native_cases, native_fake, native_fake_kernels
 
 
@@ -369,7 +370,7 @@ _SWITCHES = [  # (variable, NativeConfig field, value or None for unset, the fie
       ((None, False), ("1", True), ("0", False), ("off", False), ("yes", True))],
     *[("ENV_ONE_LAUNCH_PULL", "one_launch_pull", v, on) for v, on in
       ((None, True), ("1", True), ("0", False), ("off", False))],
-    *[("ENV_KNOWN_ARMS", "known_arms", v, on) for v, on in ((None, False), ("1", True), ("0", False))],
+    *[("ENV_KNOWN_ARMS", "known_arms", v, on) for v, on in ((None, True), ("1", True), ("0", False))],
 ]  # fmt: skip
 
 
@@ -701,6 +702,7 @@ def test_pull_with_ranks_switching_between_fused_and_staged(world, handshake):
     )
     assert fw.pulled_rows > 0 and fw.published_maps > 0 and fw.done_waits > 0
     assert fw.one_launch_reduces == 0, fw.one_launch_reduces
+    assert fw.unpulled_checks > 0, "no staged receive copy checked its sources"
 
 
 def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
@@ -726,27 +728,32 @@ def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
 
 def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     """The refusal comes after a pulled call (the ranks made to believe they reduce alike, the
-    peer's second call staged) with the arm known: the one-launch rank publishes without
-    awaiting the arm, so nothing stops it at once (why ``known_arms`` is off by default; its
-    staged peer reads stale rows, unchecked here); it ends in an error all the same, its wait
-    for the peer's DONE, which the staged peer never raises, running past the bound."""
+    peer's second call staged and late) with the arm known: the one-launch rank publishes its
+    map without awaiting the arm, reading the peer's accept word of the call before. The
+    staged peer's receive copy finds that map where it wants header 0 and stops with an error
+    before it copies a row (its region holds the previous call's); the one-launch rank's wait
+    for the DONE the staged peer never raises runs past the bound."""
     monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
     monkeypatch.setattr(
         NativeBackend,
         "_agree_on_fused_reduce",
         lambda self, state, created: setattr(state, "fused_alike", True),
     )
-    cfg = NativeConfig(buffer_bytes=1 << 20, known_arms=True)
+
+    def pick(step: int, rank: int) -> int:
+        if step == 1 and rank == 1:
+            time.sleep(0.3)  # rank 0 publishes before rank 1 arms with its new accept word
+        return rank * step
+
+    cfg = NativeConfig(buffer_bytes=1 << 20)  # known arms: the default
     configs = [cfg, [cfg, NativeConfig(buffer_bytes=1 << 20, fused_reduce=False)]]
     fw = native_fake.FakeWorld(2)
     with pytest.raises(BaseException) as info:
-        _pulled_reduces(2, configs, [True, True], steps=2, pick=lambda step, rank: rank * step,
-                        checked=lambda step, rank: step == 0 or rank == 0, fw=fw)  # fmt: skip
-    # rank 0's own error (the staged rank's barrier may give up first and be the one raised): its
-    # DONE wait past the bound, or, on a loaded machine, an earlier wait for the slow staged peer
-    assert 0 in fw.errors, info.value
-    chain = _messages(fw.errors[0])
-    assert any("timed out" in m for m in chain), chain
+        _pulled_reduces(2, configs, [True, True], steps=2, pick=pick, fw=fw)
+    assert set(fw.errors) == {0, 1}, (fw.errors, info.value)
+    assert any(proto.MSG_PULLS_UNACCEPTED in m for m in _messages(fw.errors[1])), _messages(fw.errors[1])
+    # rank 0's DONE wait past the bound, or, on a loaded machine, an earlier wait for the slow peer
+    assert any("timed out" in m for m in _messages(fw.errors[0])), _messages(fw.errors[0])
     assert fw.known_arms >= 1, "the second call awaited the arm"
 
 

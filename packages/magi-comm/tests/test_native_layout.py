@@ -215,10 +215,12 @@ def test_registering_native_imports_no_gpu_stack():
         ("native_sim", "main_triton_handshake"),
         ("native_sim", "main_triton_overlap"),
         ("native_sim", "main_triton_publish"),
+        ("native_sim", "main_triton_unpulled"),
     ],
 )
 def test_kernel_under_triton_interpreter(module, entry):
-    """The copy kernel (``main_triton``, its handshake, progress and publish steps) and the fused
+    """The copy kernel (``main_triton``, its handshake, progress and publish steps, a staged
+    receive copy's check of its sources' pull-map headers) and the fused
     reduction (``main_triton_reduce``: also reading pulled rows in place and its DONE step) on
     CPU tensors under TRITON_INTERPRET=1, in a subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1")

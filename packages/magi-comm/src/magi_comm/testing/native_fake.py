@@ -78,6 +78,7 @@ class FakeWorld:
         self.published_maps = 0  # pull maps written by send launches (not header 0)
         self.one_launch_reduces = 0  # reductions that made their call's handshake (one launch)
         self.known_arms = 0  # arms a one-launch reduction did not await (known)
+        self.unpulled_checks = 0  # staged receive copies that checked their sources sent
         self.errors: dict[int, BaseException] = {}  # each rank's failure (run_ranks)
         self.done_waits = 0  # DONE waits of fused reductions whose input may have been pulled
         self.done_signals = 0  # DONE raised by fused reductions

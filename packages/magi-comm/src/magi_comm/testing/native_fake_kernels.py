@@ -61,14 +61,16 @@ class CopyLaunch:
         progress=None,
         waits=None,
         publish=None,
+        unpulled=None,
         world=None,
     ):
         assert max_programs >= 0
         assert (progress is None and waits is None and publish is None) or handshake is not None
         assert publish is None or direct is None
+        assert unpulled is None or not (publish or direct or waits or any(peers))
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.max_programs, self.handshake = max_programs, handshake
-        self.progress, self.waits, self.publish = progress, waits, publish
+        self.progress, self.waits, self.publish, self.unpulled = progress, waits, publish, unpulled
         self.world = world
         with world.cond:
             world.copy_program_caps.add(max_programs)
@@ -107,6 +109,12 @@ class CopyLaunch:
         assert not any(map(proto.arm_known, words)), "a known arm in a copy launch"
         steps = handshake_steps(self.world, self.handshake, W, sync, words)
         next(steps)  # the start of the kernel
+        if self.unpulled is not None:  # a staged reduce's receive copy: every source sent
+            pulls, width, sources = self.unpulled
+            headers = words_at(pulls, W * width, torch.int64)[::width].tolist()
+            with self.world.cond:
+                self.world.unpulled_checks += 1
+            assert not any(headers[s] for s in range(W) if sources >> s & 1), proto.MSG_PULLS_UNACCEPTED
         table = self.table
         if self.publish is not None:  # program 0 writes the headers; pulled rows are not sent
             pulled = self._publish(pub, words)
@@ -317,7 +325,7 @@ def _reduce_start(world, hs, decided, width, words, pub, pub_peers, accepts) -> 
     pulled = publish_step(world, hs.rank, (pub_peers, accepts, width, decided), pub, words)
     table = words_at(pub, W + 1, torch.int64).tolist()
     wanted = [c for c in range(W) if table[c + 1] > table[c]]
-    assert pulled == wanted, "magi_comm native: a one-launch reduce's destination does not accept pulls"
+    assert pulled == wanted, proto.MSG_PULLS_REFUSED
     next(steps, None)
     with world.cond:
         world.one_launch_reduces += 1

@@ -478,3 +478,52 @@ def main_triton_publish(device: str = "cpu") -> None:
     else:
         raise AssertionError("a publishing launch ran without its table")
     print("native_sim publish triton ok", file=sys.stderr)
+
+
+def main_triton_unpulled() -> None:
+    """Entry point: a staged reduce's receive copy checks that its sources sent their rows,
+    under TRITON_INTERPRET=1.
+
+    Rank 1 of 3 receives from sources 0 and 2 (regions -> sink). With header 0 in both sources'
+    rows of its pull-map area the rows arrive; a map in a row of a source that is not among the
+    launch's changes nothing; a map in source 2's row (a source that left its rows for pulling)
+    ends the launch with the error before any row is copied."""
+    from magi_comm.backends.native import protocol as proto
+    from magi_comm.backends.native.kernels import CopyLaunch
+
+    W, me, n, width = 3, 1, 8, 4
+    pull_maps = torch.zeros((W, width), dtype=torch.int64)
+    # source 0's region rows go to sink words [0, n), source 2's to [n, 2n)
+    task = TaskTable(
+        torch.tensor([0, n]), torch.tensor([n, n]), torch.tensor([[-1, -1, -1, 0], [-1, -1, -1, n]])
+    )
+    region = torch.arange(100, 100 + 2 * n, dtype=torch.int64)
+    launch = CopyLaunch(to_blocks(task, 1, 4), [None] * W, torch.int64, num_warps=1, max_programs=2,
+                        unpulled=(pull_maps.data_ptr(), width, 0b101))  # fmt: skip
+    for header in (0, 7):  # source 1 (this rank's own row) is not a source of the launch
+        pull_maps[me, 0] = header
+        sink = torch.full((2 * n,), -1, dtype=torch.int64)
+        launch(region.data_ptr(), sink.data_ptr())
+        assert torch.equal(sink, region), (header, sink)
+    pull_maps[me, 0] = 0
+    pull_maps[2, 0] = 5  # 1 + an allocation: source 2 believes we read its input
+    sink = torch.full((2 * n,), -1, dtype=torch.int64)
+    try:
+        launch(region.data_ptr(), sink.data_ptr())
+    except Exception as e:  # the interpreter's InterpreterError around the kernel's assertion
+        assert proto.MSG_PULLS_UNACCEPTED in str(e), e
+    else:
+        raise AssertionError("a receive copy read the region of a source that left its rows for pulling")
+    assert bool((sink == -1).all()), sink  # every program checks before its first block
+    try:
+        CopyLaunch(
+            to_blocks(task, 1, 4),
+            [None, None, 1 << 20],
+            torch.int64,
+            unpulled=(pull_maps.data_ptr(), width, 1),
+        )
+    except ValueError as e:
+        assert "unpulled" in str(e), e
+    else:
+        raise AssertionError("a send launch accepted the receive copy's check")
+    print("native_sim unpulled triton ok", file=sys.stderr)

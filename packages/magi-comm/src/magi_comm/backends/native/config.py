@@ -139,11 +139,11 @@ class NativeConfig:
             group (compared when the group is set up).
         known_arms: a one-launch reduce whose previous call to the peer was a pulled one launch
             too publishes without awaiting the peer's arm (docs/native.md, "The arm known"):
-            +2.7-4.5% GB/s at 16 MiB, +0.8-1.4% at 64 MiB on 2x H100 (docs/perf.md). Off by default: a
-            program that creates its backends differently on the two ranks (one rank's call
-            staged while the other takes one launch) then has the staged rank read stale rows
-            once before both ranks end in an error (without it: an error at once, no stale
-            rows). ``$MAGI_COMM_NATIVE_KNOWN_ARMS=1`` turns it on.
+            +2.7-4.5% GB/s at 16 MiB, +0.8-1.4% at 64 MiB on 2x H100 (docs/perf.md). A program
+            that creates its backends differently on the two ranks (one rank's call staged
+            while the other takes one launch) still ends in an error on both, before the staged
+            rank copies a row (its receive copy checks that no source left rows to pull).
+            ``$MAGI_COMM_NATIVE_KNOWN_ARMS=0`` turns it off.
     """
 
     buffer_bytes: int = 256 * MIB
@@ -163,7 +163,7 @@ class NativeConfig:
     copy_engine: bool = False
     reduce_programs: int = 0
     one_launch_pull: bool = True
-    known_arms: bool = False
+    known_arms: bool = True
 
     def __post_init__(self) -> None:
         for name in ("reduce_tile_rows", "reduce_warps"):
@@ -191,7 +191,7 @@ class NativeConfig:
                 ("device_handshake", ENV_DEVICE_HANDSHAKE, "1"),
                 ("copy_engine", ENV_COPY_ENGINE, "0"),
                 ("one_launch_pull", ENV_ONE_LAUNCH_PULL, "1"),
-                ("known_arms", ENV_KNOWN_ARMS, "0"),
+                ("known_arms", ENV_KNOWN_ARMS, "1"),
             )
         }
         scale = {"overlap_chunk_bytes": 1024}

@@ -17,6 +17,7 @@ from .config import CONSUMER_PROGRAMS, ENV_BUFFER_MB, OVERLAP_MIN_CHUNKS, Native
 from .copy_engine import CopyEngineSend, copy_engine_copies
 from .group_state import GroupState, host_to_device
 from .layout import (
+    SINK_CONCAT,
     SINK_NONE,
     SINK_SCATTER,
     BlockTable,
@@ -187,6 +188,11 @@ class Launches:
         if copy_engine:
             copies = copy_engine_copies(rnd.send, peers, rb)
             sender = CopyEngineSend(sender, copies, st.rt.platform.memcpy)
+        # a staged reduce's receive copy checks that its sources sent (none left rows to pull)
+        sources = sum(1 << s for s in rnd.recv_peers)
+        unpulled = (
+            (st.pull_maps.data_ptr(), st.map_width, sources) if sink_kind == SINK_CONCAT and sources else None
+        )
         receiver = make(
             recv.to(st.device, host_to_device),
             [None] * W,
@@ -197,6 +203,7 @@ class Launches:
             max_programs=(cap or CONSUMER_PROGRAMS) if waits else cap,
             handshake=st.handshake if waits else None,
             waits=waits,
+            unpulled=unpulled,
         )
         return sender, receiver
 

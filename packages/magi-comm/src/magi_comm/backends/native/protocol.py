@@ -15,6 +15,8 @@ __all__ = [
     "AWAIT_ROWS",
     "DONE",
     "MAX_REPORTING_PROGRAMS",
+    "MSG_PULLS_REFUSED",
+    "MSG_PULLS_UNACCEPTED",
     "NUM_SIGNALS",
     "PEER_WORDS",
     "PROGRESS",
@@ -36,6 +38,15 @@ READY, ACK, ARM, PROGRESS, DONE = 0, 1, 2, 3, 4
 NUM_SIGNALS = 5
 
 PULL_ACCEPT = 1  # a receiver's accept word: leave my rows in your input, I read them there
+
+# The errors of a pair whose ranks disagree on pulling (backends created differently on the two
+# ranks; docs/native.md, "The arm known"): the kernels stop with them (compiled: a trap) rather
+# than let a receiver read stale rows. Seen at the one-launch source (the destination's accept
+# word says it does not pull) and at a staged receiver (a source published a pull map for it).
+MSG_PULLS_REFUSED = "magi_comm native: a one-launch reduce's destination does not accept pulls"
+MSG_PULLS_UNACCEPTED = (
+    "magi_comm native: a source left its rows for pulling to a receiver that does not accept pulls"
+)
 
 # Handshake steps a kernel launch performs itself (bits of its ``sync`` argument).
 ARM_AND_WAIT = 1  # start: program 0 arms the sources, every program awaits the destinations' arms

@@ -25,6 +25,7 @@ from .handshake import (
     PEER_ARGS,
     await_rows,
     chunk_done,
+    fail,
     handshake_end,
     handshake_start,
     peer_word,
@@ -37,6 +38,7 @@ from .handshake import (
 __all__ = ["CopyLaunch"]
 
 PULL_ACCEPT = tl.constexpr(proto.PULL_ACCEPT)  # jit code reads module globals only as constexprs
+UNACCEPTED = tl.constexpr(proto.MSG_PULLS_UNACCEPTED)
 
 _TL = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16, torch.uint8: tl.uint8}
 
@@ -91,6 +93,21 @@ def _publish(pub, pub_peers, decided, pulled, offs, p0, p1, p2, p3, p4, p5, p6, 
             tl.atomic_xchg(
                 decided.to(tl.pointer_type(tl.int64)) + c, 2 * epoch + bit, sem="release", scope="gpu"
             )
+
+
+@triton.jit
+def _check_unpulled(pulls, srcs, W: tl.constexpr, MAPW: tl.constexpr, PAUSE: tl.constexpr):
+    """A staged reduce's receive copy, before it reads a region: every source of ``srcs`` (bit
+    ``s``) published header 0 into row ``s`` of our pull-map area (``pulls``), i.e. sent its
+    rows. A source that published a map believes we pull (the ranks' backends differ); its rows
+    are not in our region, so the launch ends with an error instead of copying stale ones. The
+    headers of this call are in place: each source publishes before its READY, which the
+    stream awaited before this launch, and publishes its next call's only after our next arm
+    (or, its arm known, after a pulled call, whose map this check finds)."""
+    rows = pulls.to(tl.pointer_type(tl.int64))
+    for s in tl.static_range(W):
+        if (((srcs >> s) & 1) != 0) & (tl.load(rows + s * MAPW) != 0):
+            fail(PAUSE, UNACCEPTED)
 
 
 # ---- copy ----------------------------------------------------------------------------------
@@ -191,6 +208,8 @@ def _copy_kernel(
     pub_peers,
     accepts,
     decided,
+    pulls,
+    pull_srcs,
     fence,
     sig,
     sig_peers,
@@ -211,6 +230,7 @@ def _copy_kernel(
     ME: tl.constexpr,
     GP: tl.constexpr,
     PUBLISH: tl.constexpr,
+    UNPULLED: tl.constexpr,
     HS_ARM: tl.constexpr,
     HS_READY: tl.constexpr,
     HS_WAIT_END: tl.constexpr,
@@ -232,7 +252,11 @@ def _copy_kernel(
     # PUBLISH (a reduce's send): program 0 writes every destination's pull-map header (``pub``:
     # the publish table, see terms.publish_table; ``pub_peers``: each peer's pull-map
     # area; ``accepts``: the destinations' accept words); rows of pulled destinations stay.
+    # UNPULLED (a staged reduce's receive copy): every program first checks that the sources
+    # ``pull_srcs`` sent their rows (``pulls``: our pull-map area; see _check_unpulled).
     handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, HS_ARM, PAUSE)
+    if UNPULLED:
+        _check_unpulled(pulls, pull_srcs, W, MAPW, PAUSE)
     offs = tl.arange(0, BLOCK)
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -359,6 +383,11 @@ class CopyLaunch:
             words) and gets a map are not sent; ``decided``: address of local int64 ``(W,)``
             words where it records, per destination, ``2 * epoch + pulled`` (the epoch from the
             call's words, given also without handshake steps). Needs the handshake's rank.
+        unpulled: ``(pulls, map_width, sources)`` for a staged reduce's receive copy (it runs
+            after the sources' READY): every program first checks that each source of the
+            bitmask ``sources`` published header 0 into its row of this rank's pull-map area
+            (``pulls``, rows of ``map_width`` words), i.e. sent its rows here, and ends the
+            launch with an error otherwise (docs/native.md, "The arm known").
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
@@ -366,7 +395,8 @@ class CopyLaunch:
                  max_programs: int = 0, handshake: Handshake | None = None,
                  progress: tuple[torch.Tensor, int, int] | None = None,
                  waits: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 publish: tuple[int, int, int, int] | None = None) -> None:  # fmt: skip
+                 publish: tuple[int, int, int, int] | None = None,
+                 unpulled: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         W = len(peers)
         if W > MAX_PEERS:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
@@ -407,6 +437,8 @@ class CopyLaunch:
             publish[0] if publish else self.filler,
             publish[1] if publish else self.filler,
             publish[3] if publish else self.filler,
+            unpulled[0] if unpulled else self.filler,
+            unpulled[2] if unpulled else 0,
             fence or self.filler,
             hs.sig if hs else self.filler,
             hs.sig_peers if hs else self.filler,
@@ -422,6 +454,10 @@ class CopyLaunch:
             raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
         if publish and direct:
             raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
+        if unpulled and (publish or direct or waits or any(peers)):
+            raise ValueError(
+                "unpulled is for a receive copy that follows the transfer (no peers, waits, publish)"
+            )
         self.progress, self.waits, self.publish = progress, waits, publish
         self.handshake = hs
         self.base_consts = dict(
@@ -431,10 +467,11 @@ class CopyLaunch:
             VEC=vec,
             FENCE=int(bool(fence) and any(p for p in peers)),
             DIRECT=int(direct is not None and table.num_blocks > 0 and table.has_splits),
-            MAPW=direct[2] if direct else (publish[2] if publish else 1),
+            MAPW=direct[2] if direct else (publish[2] if publish else (unpulled[1] if unpulled else 1)),
             ME=hs.rank if hs else 0,
             GP=triton.next_power_of_2(max(programs, 1)) if progress else 1,
             PUBLISH=int(publish is not None),  # the kernel's constexprs in its order (launched positionally)
+            UNPULLED=int(unpulled is not None),
         )
         self.num_warps = num_warps
         self._modes: dict[tuple[int, bool, bool], tuple[dict, int]] = {}

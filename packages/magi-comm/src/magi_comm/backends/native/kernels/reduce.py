@@ -46,7 +46,7 @@ _START_ARGS = ["pub", "pub_peers", "accepts"]
 # a one-launch reduce's destination does not accept pulls (the ranks disagree on the fused
 # reduction): its rows would need a send this launch cannot make, so the launch ends with an
 # error (`fail`) instead of leaving it to read stale rows
-REFUSED = tl.constexpr("magi_comm native: a one-launch reduce's destination does not accept pulls")
+REFUSED = tl.constexpr(proto.MSG_PULLS_REFUSED)
 
 
 @triton.jit

@@ -1,0 +1,104 @@
+"""GPU check: two ranks whose backends differ end in an error, never in stale rows (a torchrun
+script, not collected by pytest).
+
+    source .dk/bin/env.sh && torchrun --standalone --nproc-per-node 2 packages/magi-comm/tests/gpu_backends_differ.py
+
+Both ranks create a native backend with the defaults (one launch, the arm known); rank 1 also
+creates one with ``fused_reduce=False``, which turns one launch off on rank 1 only (no
+collective: the misuse docs/native.md "The arm known" guards against). Call 1: both reduce from
+symmetric inputs with the first backend (a pulled one launch each; checked against the oracle).
+Call 2: rank 0 again, rank 1 with the staged backend, half a second late, so that rank 0, its
+peer's arm known, publishes its map against the accept word of call 1. Rank 1's receive copy must
+stop with an error (a trap) before the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``, 40 s
+here), not return the rows of call 1; rank 0 must end in an error too (its wait for rank 1's
+DONE). The verdicts travel over gloo (the CUDA contexts are in error); prints RESULT on rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+LATE_S = 0.5  # how late rank 1's second call is
+QUICK_S = 20.0  # rank 1's error must come sooner than this (the wait bound is 40 s)
+
+
+def main() -> int:
+    faulthandler.dump_traceback_later(150, exit=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        device_id=torch.device("cuda", local_rank),
+        timeout=datetime.timedelta(seconds=90),
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, "run on 2 GPUs"
+    verdicts_group = dist.new_group(backend="gloo")  # for the verdicts, made while CUDA works
+    os.environ.setdefault("MAGI_COMM_NATIVE_WAIT_TIMEOUT_S", "40")  # read when the kernels are imported
+    import magi_comm.testing as lib
+    from magi_comm._plan import build_reduce_plan
+    from magi_comm.backends.native import NativeBackend, NativeConfig
+
+    rng = random.Random(5)  # every rank sends three splits to both ranks
+    lay = lib._complete(rng, world, [[64, 96, 32]] * world, [[rng.sample(range(world), world)] * 3] * world)
+    plan = build_reduce_plan(*lay.reduce_args(rank), rank, world)
+    dev = torch.device("cuda", local_rank)
+    case = {"seed": 51, "row_shape": (256,)}
+    fused = NativeBackend(dist.group.WORLD, rank, world, NativeConfig())
+    staged = (
+        NativeBackend(dist.group.WORLD, rank, world, NativeConfig(fused_reduce=False)) if rank == 1 else None
+    )
+    sym = fused.empty_output((plan.num_input_rows, 256), torch.float32)
+    verdict, detail = 1, ""
+    for call in (1, 2):
+        inputs = [
+            lib.rank_data(case, r, sum(lay.out_sizes[r]), torch.float32, salt=call) for r in range(world)
+        ]
+        sym.copy_(inputs[rank].to(dev))
+        old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + call)
+        out = old.to(dev)
+        want = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)
+        be = staged if call == 2 and staged is not None else fused
+        if call == 2 and rank == 1:
+            time.sleep(LATE_S)
+        start = time.perf_counter()
+        try:
+            be.group_reduce(sym, out, plan, False, "sum", None, None, True).wait()
+            torch.cuda.synchronize()
+            got = out.cpu()
+        except RuntimeError as e:
+            took = time.perf_counter() - start
+            if call == 1:
+                detail = f"call 1 failed: {e}"
+            elif rank == 1:
+                verdict = 0 if took < QUICK_S else 1
+                detail = f"call 2: error after {took:.2f} s ({str(e).splitlines()[0][:120]})"
+            else:
+                verdict, detail = 0, f"call 2: error after {took:.2f} s (its DONE wait)"
+            break
+        if call == 1 and not torch.equal(got, want):
+            detail = "call 1: result differs from the oracle"
+            break
+        if call == 2:
+            same = torch.equal(got, want)
+            detail = f"call 2 returned without an error (result {'equal to' if same else 'not'} the oracle)"
+    print(f"rank {rank}: {'ok' if verdict == 0 else 'FAIL'}: {detail}", flush=True)
+    verdicts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(verdicts, torch.tensor([verdict]), group=verdicts_group)
+    failed = sum(int(v) for v in verdicts)
+    if rank == 0:
+        print(f"RESULT: {'PASS' if failed == 0 else f'FAIL ({failed} ranks)'}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if failed == 0 else 1)  # no teardown: the CUDA contexts are in error
+
+
+if __name__ == "__main__":
+    main()
