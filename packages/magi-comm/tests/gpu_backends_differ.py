@@ -6,12 +6,14 @@ script, not collected by pytest).
 Both ranks create a native backend with the defaults (one launch, the arm known); rank 1 also
 creates one with ``fused_reduce=False``, which turns one launch off on rank 1 only (no
 collective: the misuse docs/native.md "The arm known" guards against). Call 1: both reduce from
-symmetric inputs with the first backend (a pulled one launch each; checked against the oracle).
-Call 2: rank 0 again, rank 1 with the staged backend, half a second late, so that rank 0, its
-peer's arm known, publishes its map against the accept word of call 1. Rank 1's receive copy must
-stop with an error (a trap) before the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``, 40 s
-here), not return the rows of call 1; rank 0 must end in an error too (its wait for rank 1's
-DONE). The verdicts travel over gloo (the CUDA contexts are in error); prints RESULT on rank 0.
+symmetric inputs with the first backend (rank 0 in one launch, rank 1 through the fused
+reduction's send launch, its rows pulled by rank 0; checked against the oracle). Call 2: rank 0
+again; rank 1 with the staged backend, enqueued only after rank 0 has enqueued its call (a
+host barrier) and 0.2 s more, so that rank 0, its peer's arm known, publishes its map against
+the accept word of call 1. Rank 1's receive copy must stop with an error (a trap) well before
+the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``, 40 s here), not return the rows of call 1;
+rank 0 must end in an error too (its wait for rank 1's DONE). The verdicts travel over gloo (the
+CUDA contexts are in error); prints RESULT on rank 0.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-LATE_S = 0.5  # how late rank 1's second call is
+LATE_S = 0.2  # how long after rank 0 enqueued its second call rank 1 enqueues its own
 QUICK_S = 20.0  # rank 1's error must come sooner than this (the wait bound is 40 s)
 
 
@@ -41,7 +43,7 @@ def main() -> int:
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, "run on 2 GPUs"
-    verdicts_group = dist.new_group(backend="gloo")  # for the verdicts, made while CUDA works
+    host = dist.new_group(backend="gloo")  # the call-2 barrier and the verdicts, made while CUDA works
     os.environ.setdefault("MAGI_COMM_NATIVE_WAIT_TIMEOUT_S", "40")  # read when the kernels are imported
     import magi_comm.testing as lib
     from magi_comm._plan import build_reduce_plan
@@ -68,10 +70,13 @@ def main() -> int:
         want = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)
         be = staged if call == 2 and staged is not None else fused
         if call == 2 and rank == 1:
+            dist.barrier(group=host)  # rank 0's call is enqueued
             time.sleep(LATE_S)
         start = time.perf_counter()
         try:
             be.group_reduce(sym, out, plan, False, "sum", None, None, True).wait()
+            if call == 2 and rank == 0:
+                dist.barrier(group=host)
             torch.cuda.synchronize()
             got = out.cpu()
         except RuntimeError as e:
@@ -92,7 +97,7 @@ def main() -> int:
             detail = f"call 2 returned without an error (result {'equal to' if same else 'not'} the oracle)"
     print(f"rank {rank}: {'ok' if verdict == 0 else 'FAIL'}: {detail}", flush=True)
     verdicts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(verdicts, torch.tensor([verdict]), group=verdicts_group)
+    dist.all_gather(verdicts, torch.tensor([verdict]), group=host)
     failed = sum(int(v) for v in verdicts)
     if rank == 0:
         print(f"RESULT: {'PASS' if failed == 0 else f'FAIL ({failed} ranks)'}", flush=True)

@@ -377,8 +377,8 @@ _SWITCHES = [  # (variable, NativeConfig field, value or None for unset, the fie
 @pytest.mark.parametrize(("env", "field", "value", "on"), _SWITCHES)
 def test_switches_from_env(monkeypatch, env, field, value, on):
     """$MAGI_COMM_NATIVE_COPY_ENGINE (off unless set to something other than 0 / false / no /
-    off; so is $MAGI_COMM_NATIVE_KNOWN_ARMS) and $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL (on unless
-    set to one of those)."""
+    off) and $MAGI_COMM_NATIVE_ONE_LAUNCH_PULL (on unless set to one of those; so is
+    $MAGI_COMM_NATIVE_KNOWN_ARMS)."""
     if value is None:
         monkeypatch.delenv(getattr(native, env), raising=False)
     else:
@@ -728,11 +728,12 @@ def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
 
 def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     """The refusal comes after a pulled call (the ranks made to believe they reduce alike, the
-    peer's second call staged and late) with the arm known: the one-launch rank publishes its
-    map without awaiting the arm, reading the peer's accept word of the call before. The
-    staged peer's receive copy finds that map where it wants header 0 and stops with an error
-    before it copies a row (its region holds the previous call's); the one-launch rank's wait
-    for the DONE the staged peer never raises runs past the bound."""
+    peer's second call staged, started once the other rank has published) with the arm known:
+    the one-launch rank publishes its map without awaiting the arm, reading the peer's accept
+    word of the call before. The staged peer's receive copy finds that map where it wants
+    header 0 and stops with an error before it copies a row (its region holds the previous
+    call's); the one-launch rank's wait for the DONE the staged peer never raises runs past the
+    bound."""
     monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
     monkeypatch.setattr(
         NativeBackend,
@@ -741,8 +742,10 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     )
 
     def pick(step: int, rank: int) -> int:
-        if step == 1 and rank == 1:
-            time.sleep(0.3)  # rank 0 publishes before rank 1 arms with its new accept word
+        if step == 1 and rank == 1:  # rank 1 arms with its new accept word after rank 0 published
+            deadline = time.monotonic() + 10.0
+            while fw.published_maps < 3 and time.monotonic() < deadline:  # one per call so far
+                time.sleep(0.005)
         return rank * step
 
     cfg = NativeConfig(buffer_bytes=1 << 20)  # known arms: the default
