@@ -154,7 +154,8 @@ def _capture_ptx(monkeypatch) -> list[str]:
 def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
     """The fused reduction of 16-byte rows (1024 bf16) reads every term, from the regions and
     pulled from a peer's input, with 16-byte vector loads on sm_90 (a pointer made from an
-    integer address, or a hint on the wrong dimension, turns them into 2-byte loads)."""
+    integer address, or a hint on the wrong dimension, turns them into 2-byte loads), with the
+    streaming cache hints."""
     ptx = _capture_ptx(monkeypatch)
     W, E, n = 2, 1024, 8
     out = torch.zeros((n, E), dtype=torch.bfloat16)
@@ -178,6 +179,8 @@ def test_fused_reduction_loads_are_16_byte_vectors(monkeypatch, pull):
     assert "ld.global.b16" not in code and "ld.global.u16" not in code, "2-byte data loads"
     # per term: the own input and the region (and the pulled input); and the output
     assert code.count("ld.global.v4") >= (4 if pull else 3), code.count("ld.global.v4")
+    # read once, written once: streaming hints (docs/perf.md, "group_reduce: the arm known by default")
+    assert "L1::evict_first" in code and "st.global.cs" in code, "the streaming hints are gone"
 
 
 @pytest.mark.parametrize("src_shift", [0, 8])
