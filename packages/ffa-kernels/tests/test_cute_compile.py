@@ -389,23 +389,25 @@ def test_choose_pack_by_plan_cost(monkeypatch):
     short = plans([[i * 100, i * 100 + 90] for i in range(20)], [1] * 20, 2000)
     long = plans([[0, 4096]], [0], 4096)  # the same blocks packed or not: a tie keeps it plain
     assert short[1].total_blocks < short[0].total_blocks * 8 / 2  # the packed plan's saving
-    assert interface.pack_gqa_allowed()
+    assert interface.pack_gqa_setting() is None
     assert interface.choose_pack(8, *short) == 8
     assert interface.choose_pack(8, *long) == 1
+    assert interface.choose_pack(8, *long, forced=True) == 8
     monkeypatch.setenv(interface.ENV_PACK_GQA, "1")
-    assert interface.choose_pack(8, *long) == 8
+    assert interface.pack_gqa_setting() is True
     monkeypatch.setenv(interface.ENV_PACK_GQA, "0")
-    assert not interface.pack_gqa_allowed()
+    assert interface.pack_gqa_setting() is False
     monkeypatch.setattr(interface, "PACK_GQA", True)  # the module setting wins over the env
-    assert interface.pack_gqa_allowed() and interface.choose_pack(8, *long) == 8
+    assert interface.pack_gqa_setting() is True
     monkeypatch.setattr(interface, "PACK_GQA", False)
-    assert not interface.pack_gqa_allowed()
+    assert interface.pack_gqa_setting() is False
 
 
 def test_plan_and_pack_only_where_g_divides_the_tile(monkeypatch):
     """The forward call's choice (`interface.plan_and_pack`, the host side, on the CPU): many
     short documents pack G = 8 (the plan of 16-token tiles) and G = 3 at D 64 (192-row tiles),
-    not G = 3 at D 128 (128 rows are no whole number of 3-head tokens) nor MHA, nor when refused."""
+    not G = 3 at D 128 (128 rows are no whole number of 3-head tokens) nor MHA, nor when refused;
+    one full document packs only when forced."""
     from ffa_kernels.cute import interface
     from ffa_kernels.cute.config import default_config
 
@@ -423,7 +425,12 @@ def test_plan_and_pack_only_where_g_divides_the_tile(monkeypatch):
     assert choice(64, 12, 4)[0] == 3  # 192 / 3 = 64 tokens per tile
     pack, plain = choice(128, 12, 4)
     assert pack == 1 and plain is choice(128, 4, 4)[1]  # the plain plan (cached), as for MHA
-    monkeypatch.setattr(interface, "PACK_GQA", False)
+    one = torch.tensor([[0, 4096]], dtype=torch.int32)  # one full document: a tie stays plain
+    full = torch.zeros(1, dtype=torch.int32)
+    assert interface.plan_and_pack(one, one, full, 4096, default_config(128), 64, 8, cpu)[0] == 1
+    monkeypatch.setenv(interface.ENV_PACK_GQA, "1")  # forced
+    assert interface.plan_and_pack(one, one, full, 4096, default_config(128), 64, 8, cpu)[0] == 8
+    monkeypatch.setattr(interface, "PACK_GQA", False)  # refused (over the env)
     assert choice(128, 64, 8)[0] == 1
 
 

@@ -154,25 +154,21 @@ _PACK_ENV = {"0": False, "1": True}
 ENV_PACK_GQA = "FFA_PACK_GQA"
 
 
-def pack_gqa_allowed() -> bool:
-    """Whether packed tiles may be chosen (`PACK_GQA`, else ``$FFA_PACK_GQA``: "0" never)."""
-    return _pack_setting() is not False
-
-
-def _pack_setting() -> bool | None:
+def pack_gqa_setting() -> bool | None:
+    """`PACK_GQA` if set, else ``$FFA_PACK_GQA`` ("1": True, "0": False, else None: by cost)."""
     if PACK_GQA is not None:
         return PACK_GQA
     return _PACK_ENV.get(os.environ.get(ENV_PACK_GQA, "").strip().lower())
 
 
-def choose_pack(g: int, plan: TilePlan, packed: TilePlan) -> int:
+def choose_pack(g: int, plan: TilePlan, packed: TilePlan, forced: bool = False) -> int:
     """``g`` (pack the G q heads of each K/V head into a tile) when the packed plan costs less
     over all heads than the plain one (`TilePlan.cost` per CTA head: the plain plan runs for G
-    times as many; forced by `PACK_GQA` = True or $FFA_PACK_GQA=1), else 1. Short documents
+    times as many) or ``forced`` (`PACK_GQA` = True or $FFA_PACK_GQA=1), else 1. Short documents
     gain: at 32k causal with 128 x 128 blocks, blocks over the mask's ideal per head fall from
     1.71 to 1.43 (many short documents) and 1.10 to 1.05 (12 of uniform length) with 8 heads
     packed."""
-    if _pack_setting() is True:
+    if forced:
         return g
     return g if packed.cost() < plan.cost() * g else 1
 
@@ -180,12 +176,13 @@ def choose_pack(g: int, plan: TilePlan, packed: TilePlan) -> int:
 def plan_and_pack(q_ranges, k_ranges, attn_type_map, total_q: int, cfg: FwdConfig, hq: int, hk: int, device):
     """``(pack, plan)`` of a forward call: G = hq / hk packed q heads per tile and the plan of
     tile_m / G tokens per tile where `choose_pack` takes them (GQA, tile_m a multiple of G,
-    packing allowed), else ``(1, the plain plan)``."""
+    packing allowed by `pack_gqa_setting`), else ``(1, the plain plan)``."""
     plan = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m, cfg.tile_n, device)
     g = hq // hk
-    if g > 1 and cfg.tile_m % g == 0 and pack_gqa_allowed():
+    setting = pack_gqa_setting()  # read once per call
+    if g > 1 and cfg.tile_m % g == 0 and setting is not False:
         packed = get_plan(q_ranges, k_ranges, attn_type_map, total_q, cfg.tile_m // g, cfg.tile_n, device)
-        if choose_pack(g, plan, packed) > 1:
+        if choose_pack(g, plan, packed, forced=setting is True) > 1:
             return g, packed
     return 1, plan
 
