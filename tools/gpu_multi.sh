@@ -120,7 +120,7 @@ if part tests; then
   step gpu_tests_native_pull.log 8 300 env MAGI_COMM_BACKEND=native MAGI_DIST_SYMMETRIC_PARTIALS_MB=256 \
     python3 -m pytest -q -p no:cacheprovider -m gpu packages/magi-dist
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
-  step backends_differ.log 5 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
+  step backends_differ.log 12 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
 fi
 if part train; then
   step cp_training.log 30 560 python3 -m pytest -q -p no:cacheprovider -m gpu -rA integration_tests/test_cp_training.py
@@ -222,7 +222,7 @@ if [[ $what == one-launch ]]; then
 fi
 if [[ $what == known-arms ]]; then
   step native_check.log 25 300 $run2 packages/magi-comm/tests/gpu_native_check.py
-  step backends_differ.log 5 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
+  step backends_differ.log 12 200 $run2 packages/magi-comm/tests/gpu_backends_differ.py
   for turn in 1 2; do
     for known in 1 0; do
       step "bench_comm_known${known}_${turn}.log" 10 200 env MAGI_COMM_NATIVE_KNOWN_ARMS=$known $run2 \

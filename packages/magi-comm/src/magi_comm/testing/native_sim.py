@@ -506,15 +506,19 @@ def main_triton_unpulled() -> None:
         launch(region.data_ptr(), sink.data_ptr())
         assert torch.equal(sink, region), (header, sink)
     pull_maps[me, 0] = 0
-    pull_maps[2, 0] = 5  # 1 + an allocation: source 2 believes we read its input
-    sink = torch.full((2 * n,), -1, dtype=torch.int64)
-    try:
-        launch(region.data_ptr(), sink.data_ptr())
-    except Exception as e:  # the interpreter's InterpreterError around the kernel's assertion
-        assert proto.MSG_PULLS_UNACCEPTED in str(e), e
-    else:
-        raise AssertionError("a receive copy read the region of a source that left its rows for pulling")
-    assert bool((sink == -1).all()), sink  # every program checks before its first block
+    for source in (0, 2):
+        pull_maps[:, 0] = 0
+        pull_maps[source, 0] = 5  # 1 + an allocation: the source believes we read its input
+        sink = torch.full((2 * n,), -1, dtype=torch.int64)
+        try:
+            launch(region.data_ptr(), sink.data_ptr())
+        except Exception as e:  # the interpreter's InterpreterError around the kernel's assertion
+            assert proto.MSG_PULLS_UNACCEPTED in str(e), (source, e)
+        else:
+            raise AssertionError(f"a receive copy read the region of source {source}, which left its rows")
+        assert bool((sink == -1).all()), (
+            sink
+        )  # (the interpreter runs program 0 first: it checks before its block)
     try:
         CopyLaunch(
             to_blocks(task, 1, 4),

@@ -139,7 +139,7 @@ class NativeConfig:
             group (compared when the group is set up).
         known_arms: a one-launch reduce whose previous call to the peer was a pulled one launch
             too publishes without awaiting the peer's arm (docs/native.md, "The arm known"):
-            +2.7-4.5% GB/s at 16 MiB, +0.8-1.4% at 64 MiB on 2x H100 (docs/perf.md). A program
+            +2.4-4.6% GB/s at 16 MiB, +0.9-1.1% at 64 MiB on 2x H100 (docs/perf.md). A program
             that creates its backends differently on the two ranks (one rank's call staged
             while the other takes one launch) still ends in an error on both, before the staged
             rank copies a row (its receive copy checks that no source left rows to pull).

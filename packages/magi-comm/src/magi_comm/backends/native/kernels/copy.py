@@ -386,8 +386,8 @@ class CopyLaunch:
         unpulled: ``(pulls, map_width, sources)`` for a staged reduce's receive copy (it runs
             after the sources' READY): every program first checks that each source of the
             bitmask ``sources`` published header 0 into its row of this rank's pull-map area
-            (``pulls``, rows of ``map_width`` words), i.e. sent its rows here, and ends the
-            launch with an error otherwise (docs/native.md, "The arm known").
+            (``pulls``: address of int64 ``(W, map_width)``), i.e. sent its rows here, and ends
+            the launch with an error otherwise (docs/native.md, "The arm known").
     """
 
     def __init__(self, table: BlockTable, peers: list[int | None], dtype: torch.dtype, *, vec: int = 1,
@@ -454,10 +454,15 @@ class CopyLaunch:
             raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
         if publish and direct:
             raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
-        if unpulled and (publish or direct or waits or any(peers)):
-            raise ValueError(
-                "unpulled is for a receive copy that follows the transfer (no peers, waits, publish)"
-            )
+        if unpulled:
+            given = {"peers": any(peers), "waits": waits, "publish": publish, "direct": direct}
+            if any(v for v in given.values()):
+                raise ValueError(
+                    "unpulled is for a receive copy that follows the transfer, without peers, waits, "
+                    f"publish or direct; got {', '.join(k for k, v in given.items() if v)}"
+                )
+            if unpulled[1] < 1 or not 0 < unpulled[2] < 1 << W:
+                raise ValueError(f"unpulled needs map_width >= 1 and sources in [1, 2**{W}), got {unpulled}")
         self.progress, self.waits, self.publish = progress, waits, publish
         self.handshake = hs
         self.base_consts = dict(

@@ -43,9 +43,8 @@ _DONE_ARGS = [f"d{c}" for c in range(PEER_WORDS)]
 _START_ARGS = ["pub", "pub_peers", "accepts"]
 
 
-# a one-launch reduce's destination does not accept pulls (the ranks disagree on the fused
-# reduction): its rows would need a send this launch cannot make, so the launch ends with an
-# error (`fail`) instead of leaving it to read stale rows
+# a one-launch reduce's destination does not accept pulls: its rows would need a send this launch
+# cannot make (protocol.py says when and why it ends in this error)
 REFUSED = tl.constexpr(proto.MSG_PULLS_REFUSED)
 
 
@@ -211,7 +210,8 @@ def _reduce_kernel(
             other=0,
         )
     # Every value is read once and the output written once: the own terms, the output and the
-    # pulled rows load with evict_first, the output stores streaming (.cs). +0.2-0.4% GB/s for
+    # pulled rows load with evict_first, the output stores streaming (.cs); the region rows keep
+    # the default (the variant measured had no hint there). +0.2-0.4% GB/s for
     # reduce-sym at 64 MiB and +2.6-3.2% for the plain reduce at 16 MiB on 2x H100, four turns
     # (docs/perf.md, "group_reduce: the arm known by default", (c)); .cg on the pulled load alone
     # was level, and ptxas refuses .cg with evict_first.
