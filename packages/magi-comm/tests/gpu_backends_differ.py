@@ -18,7 +18,6 @@ CUDA contexts are in error); prints RESULT on rank 0.
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import os
 import random
@@ -34,18 +33,12 @@ QUICK_S = 20.0  # rank 1's error must come sooner than this (the wait bound is 4
 
 def main() -> int:
     faulthandler.dump_traceback_later(150, exit=True)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        device_id=torch.device("cuda", local_rank),
-        timeout=datetime.timedelta(seconds=90),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2, "run on 2 GPUs"
-    host = dist.new_group(backend="gloo")  # the call-2 barrier and the verdicts, made while CUDA works
     os.environ["MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"] = "40"  # read when the kernels are imported; > QUICK_S
     import magi_comm.testing as lib
+
+    rank, world, local_rank = lib.init_torchrun_gpus(90)
+    assert world == 2, "run on 2 GPUs"
+    host = dist.new_group(backend="gloo")  # the call-2 barrier and the verdicts, made while CUDA works
     from magi_comm._plan import build_reduce_plan
     from magi_comm.backends.native import NativeBackend, NativeConfig
 

@@ -24,7 +24,6 @@ Prints a PASS/FAIL table on rank 0 and exits non-zero on any failure. A watchdog
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import logging
 import os
@@ -226,16 +225,10 @@ def main() -> int:
     faulthandler.dump_traceback_later(timeout, exit=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("magi_comm").setLevel(logging.INFO)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl",
-        device_id=torch.device("cuda", local_rank),
-        timeout=datetime.timedelta(seconds=120),
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{local_rank}"
     import magi_comm.testing as lib
+
+    rank, world, local_rank = lib.init_torchrun_gpus(120)
+    device = f"cuda:{local_rank}"
     from magi_comm import GroupCollective
     from magi_comm.backends import native as native_mod
 

@@ -409,6 +409,20 @@ def gloo_worker(
         dist.destroy_process_group()
 
 
+def init_torchrun_gpus(timeout_s: float) -> tuple[int, int, int]:
+    """A torchrun script's process group on its GPU: ``LOCAL_RANK``'s device made current,
+    ``cpu:gloo,cuda:nccl`` (CPU tensors go over gloo, CUDA tensors over NCCL) with collectives
+    bounded by ``timeout_s`` seconds. Returns ``(rank, world_size, local_rank)``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl",
+        device_id=torch.device("cuda", local_rank),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
 def nccl_worker(rank: int, world: int, store_path: str, cases: list[dict]) -> None:
     """Same cases over NCCL with CUDA tensors (one process per GPU)."""
     torch.cuda.set_device(rank)
