@@ -106,7 +106,7 @@ class CopyLaunch:
         assert not sync & proto.SIGNAL_PROGRESS or self.progress is not None
         assert not sync & proto.AWAIT_ROWS or self.waits is not None
         assert bool(pub) == (self.publish is not None), "a publishing launch takes a table, others none"
-        assert not any(map(proto.arm_known, words)), "a known arm in a copy launch"
+        proto.refuse_known_arms(words)  # the real launch's rule
         steps = handshake_steps(self.world, self.handshake, W, sync, words)
         next(steps)  # the start of the kernel
         if self.unpulled is not None:  # a staged reduce's receive copy: every source sent

@@ -30,6 +30,7 @@ __all__ = [
     "pack_done",
     "pack_peer",
     "progress_value",
+    "refuse_known_arms",
     "unpack_peer",
 ]
 
@@ -97,6 +98,18 @@ def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False, kno
 def arm_known(word: int) -> bool:
     """Whether a :func:`pack_peer` word says the destination's arm is known."""
     return word < 0
+
+
+def refuse_known_arms(words) -> None:
+    """A copy launch's words carry no known arm: what makes an arm known (the peer's DONE,
+    awaited) covers our pull-map row and input only, not the peer's regions a copy launch
+    writes. Raises ValueError naming the first such word."""
+    for c, w in enumerate(words):
+        if arm_known(w):
+            raise ValueError(
+                f"words[{c}]: a known arm (pack_peer(known=True)) is for a one-launch reduce only, "
+                f"got {w:#x} in a copy launch"
+            )
 
 
 def unpack_peer(word: int) -> tuple[int, int, bool]:

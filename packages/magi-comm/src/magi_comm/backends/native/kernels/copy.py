@@ -514,14 +514,7 @@ class CopyLaunch:
             sync & proto.AWAIT_ROWS and self.waits is None
         ):
             raise ValueError("this launch was built without progress / wait tables")
-        for c, w in enumerate(words):
-            # what makes an arm known (the peer's DONE, awaited) covers our pull-map row and
-            # input only, not the peer's regions a copy launch writes
-            if proto.arm_known(w):
-                raise ValueError(
-                    f"words[{c}]: a known arm (pack_peer(known=True)) is for a one-launch reduce only, "
-                    f"got {w:#x} in a copy launch"
-                )
+        proto.refuse_known_arms(words)
         handshake_steps = proto.ARM_AND_WAIT | proto.READY_END | proto.WAIT_READY_END
         # a publishing launch writes the headers even without blocks
         grid = self.sync_grid if sync & handshake_steps or pub else self.grid
