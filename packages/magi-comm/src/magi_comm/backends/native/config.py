@@ -48,6 +48,15 @@ DEFAULT_WAIT_TIMEOUT_S = 600.0  # NCCL's default process-group timeout
 MIB = 1 << 20
 OVERLAP_MIN_CHUNKS = 4  # chunks a pair moves before its progress is reported
 # NativeConfig's integer fields set from the environment (overlap_chunk_bytes in KiB)
+# switches: a set variable turns the field off with 0 / false / no / off, on with anything else;
+# an unset (or empty) one leaves the field's default
+_BOOL_ENVS = {
+    "fused_reduce": ENV_FUSED_REDUCE,
+    "device_handshake": ENV_DEVICE_HANDSHAKE,
+    "copy_engine": ENV_COPY_ENGINE,
+    "one_launch_pull": ENV_ONE_LAUNCH_PULL,
+    "known_arms": ENV_KNOWN_ARMS,
+}
 _INT_ENVS = {
     "stream_priority": ENV_STREAM_PRIORITY,
     "max_programs": ENV_MAX_PROGRAMS,
@@ -183,17 +192,11 @@ class NativeConfig:
     def from_env() -> NativeConfig:
         """The defaults, overridden by the ``MAGI_COMM_NATIVE_*`` variables that are set; a bad
         value raises ValueError naming its variable."""
-        off = ("0", "false", "no", "off")
-        kw: dict[str, Any] = {  # NativeConfig's keyword arguments (bools, then ints)
-            field: os.environ.get(env, default).strip().lower() not in off
-            for field, env, default in (
-                ("fused_reduce", ENV_FUSED_REDUCE, "1"),
-                ("device_handshake", ENV_DEVICE_HANDSHAKE, "1"),
-                ("copy_engine", ENV_COPY_ENGINE, "0"),
-                ("one_launch_pull", ENV_ONE_LAUNCH_PULL, "1"),
-                ("known_arms", ENV_KNOWN_ARMS, "1"),
-            )
-        }
+        kw: dict[str, Any] = {}  # NativeConfig's keyword arguments (the defaults where unset)
+        for field, env in _BOOL_ENVS.items():
+            value = os.environ.get(env, "").strip().lower()
+            if value:
+                kw[field] = value not in ("0", "false", "no", "off")
         scale = {"overlap_chunk_bytes": 1024}
         for field, env in _INT_ENVS.items():
             value = os.environ.get(env, "").strip()

@@ -57,7 +57,7 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     arm known"), publishes every destination's pull map (each must pull: a destination that
     does not accept would need its rows sent, which this launch cannot do, so it traps
     instead; for a known arm the accept word read may be the previous call's, and a refusal
-    goes unseen here), records the decisions under each destination's epoch and signals READY;
+    goes unseen here: the staged receiver's receive copy stops instead), records the decisions under each destination's epoch and signals READY;
     every program then acquires each source's READY count before its first tile, pausing
     between polls (the whole grid polls at once: ``ONE_LAUNCH_PROGRAMS`` programs unless
     ``reduce_programs`` sets it). The words
