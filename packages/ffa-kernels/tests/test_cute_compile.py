@@ -1023,7 +1023,7 @@ def test_compile_wait_kv_variants(d, dv, dt, softcap, g, tmp_path, monkeypatch):
 
     cfg = default_config(d, dv)
     key = interface.compile_key(dt, cfg, softcap, False, g, wait_kv=True)
-    assert key != interface.compile_key(dt, cfg, softcap, False, g)
+    assert ("wait_kv", True) in key.flags and key != interface.compile_key(dt, cfg, softcap, False, g)
     compile_cache.forget(key)
     fn = interface.get_kernel(dt, cfg, softcap, pack=g, wait_kv=True, use_disk_cache=False)
     assert_packed_launch_equals_dsl(fn, dt, False)

@@ -370,14 +370,13 @@ def _launch(
         (lse.data_ptr(), 0, total_k) if kv_ready is None
         else (kv_ready.flag.data_ptr(), kv_ready.value, kv_ready.first_row)
     )  # fmt: skip
+    if kv_ready is not None and not (reads_in_place(k) and reads_in_place(v)):
+        # the copy `_rows_in_place` would make reads the late rows before they arrive
+        # (check_kv_ready refuses such k / v; this keeps the rule where the copy is made)
+        raise ValueError("kv_ready: k and v must be read in place (dense rows, 16-byte aligned); got a copy")
     q = _aligned16(q)
-    k_in, v_in = k, v
     k, k_row_stride = _rows_in_place(k)
     v, v_row_stride = _rows_in_place(v)
-    if kv_ready is not None and (k is not k_in or v is not v_in):
-        # a copy, made now, would read the late rows before they arrive (check_kv_ready refuses
-        # such k / v; this keeps the rule where the copy is made)
-        raise ValueError("kv_ready: k and v must be read in place (dense rows, 16-byte aligned); got a copy")
     fn = rt.launcher(q.dtype, cfg, has_softcap, accumulate, pack, kv_ready is not None)
     scale_log2, premul = score_constants(softmax_scale, softcap)
     ctas_per_tile = hq // pack  # the CTAs' head axis: q heads, or packed K/V heads
