@@ -80,6 +80,8 @@ def main() -> int:
             elif rank == 1:
                 verdict = 0 if took < QUICK_S else 1
                 detail = f"call 2: error after {took:.2f} s ({what})"
+                if verdict:  # its wait's bound, not the check: rank 0 likely read the new accept word
+                    detail += f"; later than {QUICK_S} s: rank 0 may have refused (LATE_S too short?)"
             else:
                 verdict, detail = 0, f"call 2: error after {took:.2f} s (its DONE wait)"
             break

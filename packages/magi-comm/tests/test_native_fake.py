@@ -705,16 +705,23 @@ def test_pull_with_ranks_switching_between_fused_and_staged(world, handshake):
     assert fw.unpulled_checks > 0, "no staged receive copy checked its sources"
 
 
-def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
-    """A rank that takes one launch while its peer's call is staged (the ranks made to believe
-    they reduce alike) stops with an error naming the refusal: it cannot send the rows the peer
-    waits for, and reading stale rows is not an option."""
-    monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)  # the staged peer's wait gives up sooner
+def _believe_alike(monkeypatch) -> None:
+    """The misuse the pull errors guard against: every backend believes both ranks take the
+    fused reduction alike (one launch on), whatever their configs; a fake wait gives up after
+    2 s (the peer that waits in vain)."""
+    monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
     monkeypatch.setattr(
         NativeBackend,
         "_agree_on_fused_reduce",
         lambda self, state, created: setattr(state, "fused_alike", True),
     )
+
+
+def test_one_launch_stops_where_the_peer_refuses_pulls(monkeypatch):
+    """A rank that takes one launch while its peer's call is staged (the ranks made to believe
+    they reduce alike) stops with an error naming the refusal: it cannot send the rows the peer
+    waits for, and reading stale rows is not an option."""
+    _believe_alike(monkeypatch)
     configs = [NativeConfig(buffer_bytes=1 << 20), NativeConfig(buffer_bytes=1 << 20, fused_reduce=False)]
     fw = native_fake.FakeWorld(2)
     with pytest.raises(BaseException) as info:  # any rank's error: the first one raised
@@ -734,12 +741,7 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
     header 0 and stops with an error before it copies a row (its region holds the previous
     call's); the one-launch rank's wait for the DONE the staged peer never raises runs past the
     bound."""
-    monkeypatch.setattr(native_fake, "TIMEOUT", 2.0)
-    monkeypatch.setattr(
-        NativeBackend,
-        "_agree_on_fused_reduce",
-        lambda self, state, created: setattr(state, "fused_alike", True),
-    )
+    _believe_alike(monkeypatch)
 
     before = []  # pull maps published when rank 0 starts its second call
 
@@ -747,10 +749,10 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
         if step == 1 and rank == 0:  # both ranks' first maps are out (rank 0 awaited rank 1's DONE)
             before.append(fw.published_maps)
         if step == 1 and rank == 1:  # rank 1 arms with its new accept word after rank 0 published
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + native_fake.TIMEOUT  # within run_ranks' patience
             while not before or fw.published_maps <= before[0]:
-                if time.monotonic() > deadline:
-                    raise AssertionError("rank 0 did not publish its second call's map within 10 s")
+                if 0 in fw.errors or time.monotonic() > deadline:
+                    raise AssertionError("rank 0 failed or did not publish its second call's map")
                 time.sleep(0.005)
         return rank * step
 
@@ -768,18 +770,25 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
 
 def test_a_known_arm_never_reads_the_peers_next_accept_word(monkeypatch):
     """Rows one way (rank 0 to rank 1), two pulled sums, then an ``lse`` reduce (staged: rank 1
-    puts its accept word 0 with its arm), rank 0's tiles slowed by 50 ms: rank 1 finishes its
-    second call while rank 0's is still running and arms the third. Nothing in rank 0's second
+    puts its accept word 0 with its arm), rank 0's second call's tiles held until that word has
+    landed: rank 1 finishes its second call while rank 0's is still running and arms the third. Nothing in rank 0's second
     call may read that word as its own call's (a check at the end did, and trapped). It guards
     the fake's model of the one launch; the real kernel's reads are in the interpreter test."""
     monkeypatch.setattr(native_fake, "TIMEOUT", 3.0)
     lay = lib._complete(random.Random(3), 2, [[3], [2]], [[[0]], [[0, 1]]])
     fw = native_fake.FakeWorld(2)
     tiles = native_fake_kernels.native_sim_reduce._fused_reference
+    accepts: list[torch.Tensor] = []  # rank 0's accept words (rank 1's is word 1)
+    calls_on_0: list[int] = []
 
     def slow_on_rank_0(*args, **kwargs):
         if fw.pe == 0:
-            time.sleep(0.05)
+            calls_on_0.append(1)
+            deadline = time.monotonic() + native_fake.TIMEOUT
+            while len(calls_on_0) == 2 and int(accepts[0][1]) != 0:  # rank 1 not yet armed for lse
+                if time.monotonic() > deadline:
+                    raise AssertionError("rank 1 did not arm its third call while rank 0's second ran")
+                time.sleep(0.005)
         return tiles(*args, **kwargs)
 
     monkeypatch.setattr(native_fake_kernels.native_sim_reduce, "_fused_reference", slow_on_rank_0)
@@ -787,6 +796,8 @@ def test_a_known_arm_never_reads_the_peers_next_accept_word(monkeypatch):
     def rank_fn(rank):
         plan = build_reduce_plan(*lay.reduce_args(rank), rank, 2)
         with NativeBackend("group", rank, 2, NativeConfig(buffer_bytes=1 << 20, known_arms=True)) as be:
+            if rank == 0:
+                accepts.append(be._state.accepts)
             sym = be.empty_output((plan.num_input_rows + 1, 4), torch.float32)
             src = sym[: plan.num_input_rows]
             for step in range(2):
@@ -856,10 +867,10 @@ def _messages(err: BaseException) -> list[str]:
     return chain
 
 
-def _sum_into(be, lay, plan, src, rank: int, step: int, seed: int = 41, check: bool = True):
+def _sum_into(be, lay, plan, src, rank: int, step: int, seed: int = 41):
     """One ``sum`` reduce of ``lay`` (``plan``) on ``be`` from ``src``, filled first with this
-    rank's input of ``step``, accumulated into an output drawn for ``step``; where ``check``,
-    the output equals the oracle and ``src`` is left as it was. Returns ``(inputs, out)``: every
+    rank's input of ``step``, accumulated into an output drawn for ``step``: the output equals
+    the oracle and ``src`` is left as it was. Returns ``(inputs, out)``: every
     rank's input and this rank's output."""
     case = {"seed": seed, "row_shape": (4,)}
     inputs = [
@@ -869,18 +880,17 @@ def _sum_into(be, lay, plan, src, rank: int, step: int, seed: int = 41, check: b
     old = lib.rank_data(case, rank, plan.num_output_rows, torch.float32, salt=100 + step)
     out = old.clone()
     be.group_reduce(src, out, plan, False, "sum", None, None, True).wait()
-    if check:
-        assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
-        assert torch.equal(src, inputs[rank])
+    assert torch.equal(out, lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)), step
+    assert torch.equal(src, inputs[rank])
     return inputs, out
 
 
 def _pulled_reduces(
-    world: int, configs, symmetric, steps: int = 5, lay=None, pick=None, checked=None, fw=None
+    world: int, configs, symmetric, steps: int = 5, lay=None, pick=None, fw=None
 ) -> native_fake.FakeWorld:
     """``steps`` reduces of ``lay`` (default: the dense layout) on each rank, from a symmetric
     input where ``symmetric[rank]`` (else a plain tensor), each checked against the oracle (and
-    the input left as it was) where ``checked(step, rank)`` (default: all). ``configs[rank]``:
+    the input left as it was). ``configs[rank]``:
     that rank's config, or a list of configs, one backend each, of which ``pick(step, rank)``
     chooses the call's, in ``fw`` (default: a new world). Returns the world (its counters, each
     rank's failure in ``errors``)."""
@@ -897,7 +907,7 @@ def _pulled_reduces(
             src = rows if symmetric[rank] else torch.empty_like(rows)
             for step in range(steps):
                 be = backends[pick(step, rank) if pick else 0]
-                _sum_into(be, lay, plan, src, rank, step, check=checked is None or checked(step, rank))
+                _sum_into(be, lay, plan, src, rank, step)
             backends[0].free_output(sym)
         native.shutdown()
 

@@ -208,45 +208,33 @@ def test_registering_native_imports_no_gpu_stack():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize(
-    ("module", "entry"),
+    ("module", "entry", "wait_bound_s"),
     [
-        ("native_sim", "main_triton"),
-        ("native_sim_reduce", "main_triton_reduce"),
-        ("native_sim", "main_triton_handshake"),
-        ("native_sim", "main_triton_overlap"),
-        ("native_sim", "main_triton_publish"),
-        ("native_sim", "main_triton_unpulled"),
+        ("native_sim", "main_triton", None),
+        ("native_sim_reduce", "main_triton_reduce", None),
+        ("native_sim", "main_triton_handshake", None),
+        ("native_sim", "main_triton_overlap", None),
+        ("native_sim", "main_triton_publish", None),
+        ("native_sim", "main_triton_unpulled", None),
+        # a known arm's slot stays 0: a launch that waited for it would end at the bound, an error
+        ("native_sim_reduce", "main_triton_one_launch", "5"),
+        ("native_sim", "main_triton_wait_bound", "0.05"),  # 50 polls
     ],
 )
-def test_kernel_under_triton_interpreter(module, entry):
-    """The copy kernel (``main_triton``, its handshake, progress and publish steps, a staged
-    receive copy's check of its sources' pull-map headers) and the fused
-    reduction (``main_triton_reduce``: also reading pulled rows in place and its DONE step) on
-    CPU tensors under TRITON_INTERPRET=1, in a subprocess."""
+def test_kernel_under_triton_interpreter(module, entry, wait_bound_s):
+    """The kernels on CPU tensors under TRITON_INTERPRET=1, in a subprocess: the copy kernel
+    (``main_triton``, its handshake, progress and publish steps, a staged receive copy's check
+    of its sources' pull-map headers), the fused reduction (``main_triton_reduce``: also reading
+    pulled rows in place and its DONE step), the one-launch reduction (``main_triton_one_launch``:
+    its START step with known and awaited arms, the tiles with each source's header read once,
+    DONE), and the waits for a peer that never signals (``main_triton_wait_bound``: its arm, its
+    READY count, its rows end the launch with an error past ``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``;
+    compiled, a trap, the CUDA context in error, not a hang)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
+    if wait_bound_s is not None:
+        env["MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"] = wait_bound_s
     code = f"from magi_comm.testing import {module}; {module}.{entry}()"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_one_launch_reduction_under_triton_interpreter():
-    """The one-launch reduction (``main_triton_one_launch``: its START step with known and
-    awaited arms, the tiles with each source's header read once, the DONE step) on CPU tensors
-    under TRITON_INTERPRET=1, in a subprocess; a known arm's slot stays 0, so a launch that
-    waited for it would end at the wait bound (5 s here), an error."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MAGI_COMM_NATIVE_WAIT_TIMEOUT_S="5")
-    code = "from magi_comm.testing import native_sim_reduce; native_sim_reduce.main_triton_one_launch()"
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_a_wait_for_a_peer_that_never_signals_raises_under_triton_interpreter():
-    """The kernels' waits for a peer (its arm, its READY count, its rows) are bounded
-    (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``): past the bound a launch ends with an error (compiled:
-    a trap, the CUDA context in error), not a hang. Here with a bound of 50 polls."""
-    env = dict(os.environ, TRITON_INTERPRET="1", MAGI_COMM_NATIVE_WAIT_TIMEOUT_S="0.05")
-    code = "from magi_comm.testing import native_sim; native_sim.main_triton_wait_bound()"
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "soon"])

@@ -394,7 +394,6 @@ def run_ranks(world: FakeWorld, fn) -> None:
     """Run ``fn(rank)`` on one thread per rank, each with its rank's platform installed as its
     process platform; re-raise the first failure. Every rank's failure stays in
     ``world.errors`` (rank -> exception): the one raised may be another rank's."""
-    errors: list[BaseException] = []
 
     def body(rank):
         world.local.pe = rank
@@ -402,7 +401,6 @@ def run_ranks(world: FakeWorld, fn) -> None:
             with use_platform(world.platforms[rank]):
                 fn(rank)
         except BaseException as e:
-            errors.append(e)
             world.errors[rank] = e
             world.barrier.abort()
             with world.cond:
@@ -414,6 +412,7 @@ def run_ranks(world: FakeWorld, fn) -> None:
     for t in threads:
         t.join(timeout=4 * TIMEOUT)
     assert not any(t.is_alive() for t in threads), "a rank hung"
+    errors = list(world.errors.values())  # in the order they were raised
     if errors:
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         raise first

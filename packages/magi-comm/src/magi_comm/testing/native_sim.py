@@ -505,7 +505,6 @@ def main_triton_unpulled() -> None:
         sink = torch.full((2 * n,), -1, dtype=torch.int64)
         launch(region.data_ptr(), sink.data_ptr())
         assert torch.equal(sink, region), (header, sink)
-    pull_maps[me, 0] = 0
     for source in (0, 2):
         pull_maps[:, 0] = 0
         pull_maps[source, 0] = 5  # 1 + an allocation: the source believes we read its input
