@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import faulthandler
 import os
 import sys
@@ -74,6 +73,22 @@ def start_line(line: torch.Tensor, iters: int, ahead: bool) -> None:
     dist.all_reduce(line)
 
 
+def timed_calls(fn, iters: int, ahead: bool, line: torch.Tensor):
+    """``iters`` calls of ``fn`` after the start line (`start_line` with ``line``). Returns the
+    event recorded right before the first call and ``behind()``, to ask once the stream is
+    synchronized: whether, host ahead, the host took longer to enqueue the calls than the GPU
+    slept (the period is then the host's, not device time)."""
+    slept, start = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    slept.record()
+    start_line(line, iters, ahead)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    return start, lambda: ahead and host_ms >= slept.elapsed_time(start)
+
+
 def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     """Seconds per call: slowest rank, CUDA events on the current stream.
 
@@ -88,18 +103,11 @@ def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     line = torch.zeros(1, device=torch.cuda.current_device())
     torch.cuda.synchronize()
     dist.barrier()
-    slept, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    slept.record()
-    start_line(line, iters, ahead)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host_ms = (time.perf_counter() - t0) * 1e3
+    start, behind = timed_calls(fn, iters, ahead, line)
+    end = torch.cuda.Event(enable_timing=True)
     end.record()
     end.synchronize()
-    behind = float(ahead and host_ms >= slept.elapsed_time(start))
-    t = torch.tensor([start.elapsed_time(end) / 1e3 / iters, behind], dtype=torch.float64)
+    t = torch.tensor([start.elapsed_time(end) / 1e3 / iters, float(behind())], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float("nan") if t[1] else float(t[0])
 
@@ -248,25 +256,18 @@ def trace(fn, rank: int, name: str, iters: int = 10, ahead: bool = False) -> Non
     # the start line's tensor made before the profile: its fill kernel in the trace would be
     # the "first step" summarize leaves out, and every call would then count (20 calls over 19
     # steps: 5% too long, the seventeenth session's first profiles, docs/perf.md)
-    line = torch.zeros(1, device=torch.cuda.current_device())
+    line = torch.zeros(1, device=torch.cuda.current_device()) if ahead else None
     torch.cuda.synchronize()
     dist.barrier()
-    slept, start = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        if ahead:
-            slept.record()
-            start_line(line, iters, ahead)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        host_ms = (time.perf_counter() - t0) * 1e3
+        if line is not None:
+            _, behind = timed_calls(fn, iters, ahead, line)
+        else:
+            for _ in range(iters):
+                fn()
         torch.cuda.synchronize()
-    if ahead and host_ms >= slept.elapsed_time(start):  # as in timed: the period is the host's
-        print(
-            f"-- {name} rank {rank}: the host took {host_ms:.1f} ms, past the sleep: not device time",
-            flush=True,
-        )
+    if line is not None and behind():  # as in timed: the period is the host's
+        print(f"-- {name} rank {rank}: the host took longer than the sleep: not device time", flush=True)
     dist.barrier()
     path = os.path.join(os.environ.get("OUT", "."), f"comm_trace_{name}_rank{rank}.json")
     prof.export_chrome_trace(path)
@@ -531,11 +532,10 @@ def main() -> int:
     args = ap.parse_args()
     faulthandler.dump_traceback_later(int(os.environ.get("MAGI_COMM_BENCH_TIMEOUT", "240")), exit=True)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
+    from magi_comm.testing import init_torchrun_gpus
+
+    rank, world, local_rank = init_torchrun_gpus(120)
     dev = torch.device("cuda", local_rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev, timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     from magi_comm import GroupCollective
     from magi_comm.backends import native as native_mod

@@ -26,7 +26,6 @@ GB/s per rank = S / time per call (slowest rank, host ahead: the device's time a
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 
 import torch
@@ -241,11 +240,10 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if max(sizes) * MIB * 2 > FLAGS_AT:
         raise ValueError(f"--sizes: at most {FLAGS_AT // MIB // 2} MiB, got {max(sizes)}")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
+    from magi_comm.testing import init_torchrun_gpus
+
+    rank, world, local_rank = init_torchrun_gpus(120)
     dev = torch.device("cuda", local_rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev, timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise SystemExit(f"bench_pull_floor: runs on 2 ranks, got {world}")
     from bench_comm import timed
