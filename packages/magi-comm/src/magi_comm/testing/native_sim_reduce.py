@@ -110,9 +110,8 @@ def check_fused_reduce(
     waits=False,
     pull_ranks=frozenset(),
     device="cpu",
-    one_launch=False,
-    rng=None,
-) -> None:
+    known_rng=None,
+) -> tuple[int, int]:
     """Send with SINK_NONE, reduce with the term tables; compare bitwise with the oracle.
     ``waits``: the reduction runs as beside a transfer (every tile waits for its rows; the
     signals already say they are in place; a grid of 2 programs strides over the tiles).
@@ -121,8 +120,10 @@ def check_fused_reduce(
     the reduction also runs its DONE step (raised on every source, awaited for a pulled
     input: the slots already hold the epoch). ``device``: where the Triton kernel runs (the
     interpreter on "cpu", the compiled kernel on a GPU; every rank's memory on that device).
-    ``one_launch`` (Triton, every rank in ``pull_ranks``, no ``waits``): each rank's reduction
-    also makes the call's handshake (its START step), ``rng`` marking some arms known."""
+    ``known_rng`` (Triton, every rank in ``pull_ranks``, no ``waits``): each rank's reduction is
+    a one launch, making the call's handshake too (its START step), the random.Random marking
+    some destinations' arms known. Returns how many destinations' arms were known and how many
+    awaited, over the ranks (one launch only)."""
     W = lay.world
     plans = [build_reduce_plan(*lay.reduce_args(r), r, W) for r in range(W)]
     scheds = [build_schedule(p, R, SINK_NONE) for p in plans]
@@ -141,24 +142,24 @@ def check_fused_reduce(
             apply_blocks(bt, inputs[r].view(-1).view(_WORD[w]), torch.empty(0, dtype=_WORD[w]), peers, W)
     width = 1 + max([len(p.send_split_ids[d]) for p in plans for d in range(W)], default=0)
     on = [x.to(device) for x in inputs]  # the inputs the pulled rows are read from
+    known_arms = awaited_arms = 0
     for r in range(W):
         term_row, term_self, nterms = build_reduce_terms(plans[r], R)
         term_pull = build_pull_terms(plans[r], term_row, term_self, nterms, R)
         maps, bases = (x.to(device) for x in _pull_setup(plans, on, pull_ranks, r, width, E * w))
         out = olds[r].clone()
         if use_triton:
-            known = None
-            if one_launch:  # some destinations' arms known, drawn from rng
-                known = [plans[r].send_counts[c] > 0 and c != r and rng.random() < 0.5 for c in range(W)]
-            out = _triton_fused_reduce(plans, r, R, E, on, regions[r], olds[r], (term_row, term_self, nterms),
-                                       (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks, device,
-                                       known)  # fmt: skip
+            out, arms = _triton_fused_reduce(plans, r, R, E, on, regions[r], olds[r], (term_row, term_self, nterms),
+                                             (term_pull, maps, bases, width), op, acc, waits, r in pull_ranks,
+                                             device, known_rng)  # fmt: skip
+            known_arms, awaited_arms = known_arms + arms[0], awaited_arms + arms[1]
         else:
             pull = (term_pull, maps.data_ptr(), bases.data_ptr(), width)
             reg, _ = pulled_region(regions[r].clone(), term_row, term_self, nterms, pull)
             _fused_reference(out, inputs[r], reg, term_row, term_self, nterms, acc, op == "avg")
         exp = lib.reduce_oracle_sum_avg(lay, inputs, r, olds[r], op, acc)
         assert torch.equal(out.view(_WORD[w]), exp.view(_WORD[w])), (r, dtype, op, acc, lay, pull_ranks)
+    return known_arms, awaited_arms
 
 
 def _triton_fused_reduce(
@@ -176,15 +177,16 @@ def _triton_fused_reduce(
     waits,
     pulled,
     device,
-    known=None,
+    known_rng=None,
 ):
     """Rank ``r``'s fused reduction by the Triton kernel on ``device`` (see check_fused_reduce),
     with its DONE step: every source gets epoch 3 + r; our send of this call (epoch 5) left its
-    rows to the even destinations, which already signalled DONE. ``known`` (per peer, whether
-    its arm is known; None: not one launch): the launch makes the call's handshake itself (its
-    START step; every destination pulls, so all of them signalled DONE): it arms the sources,
-    awaits the destinations' arms (not the known ones: their slots stay 0), publishes our map into each destination's
-    pull-map area (checked) and signals READY (checked). Returns the output (CPU)."""
+    rows to the even destinations, which already signalled DONE. ``known_rng`` (None: not one
+    launch): the launch makes the call's handshake itself (its START step; every destination
+    pulls, so all of them signalled DONE): it arms the sources, awaits the destinations' arms
+    (not those the rng marks known: their slots stay 0), publishes our map into each
+    destination's pull-map area (checked) and signals READY (checked). Returns the output (CPU)
+    and how many destinations' arms were known and awaited."""
     from magi_comm.backends.native import protocol as proto
     from magi_comm.backends.native.kernels import launch_reduce, reduce_tile_rows
     from magi_comm.backends.native.progress import arrival_order, reduce_waits
@@ -202,7 +204,8 @@ def _triton_fused_reduce(
     for c in range(W):
         sigs[r][proto.DONE * W + c] = 5 if dst[c] else 0
     start = None
-    one_launch = known is not None
+    one_launch = known_rng is not None
+    known = [d and known_rng.random() < 0.5 for d in dst] if one_launch else [False] * W
     if one_launch:
         assert not waits and pulled
         for c in range(W):
@@ -253,7 +256,8 @@ def _triton_fused_reduce(
     for c in range(W):
         assert int(sigs[c][proto.DONE * W + r]) == (3 + r if src[c] else 0), (r, c, sigs[c])
     assert int(counter[0]) == 0, counter
-    return out.cpu()
+    arms = (sum(known), sum(dst) - sum(known)) if one_launch else (0, 0)
+    return out.cpu(), arms
 
 
 def main_triton_reduce(n: int = 16) -> None:
@@ -276,10 +280,13 @@ def main_triton_one_launch(n: int = 10) -> None:
     peer row in place, with each source's header read once; then DONE) through the Triton kernel
     under TRITON_INTERPRET=1, against the oracle."""
     rng = random.Random(12)
+    known = awaited = 0
     for _ in range(n):
         world = rng.randint(1, 3)
         lay = lib.random_layout(rng, world, max_splits=4, max_size=5)
         dtype = rng.choice([torch.float32, torch.float64, torch.float16])
-        check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
-                           E=rng.choice([4, 8]), pull_ranks=frozenset(range(world)), one_launch=True, rng=rng)  # fmt: skip
-    print("native_sim_reduce one launch triton ok", file=sys.stderr)
+        arms = check_fused_reduce(lay, 40, dtype, rng.choice(["sum", "avg"]), rng.random() < 0.5, use_triton=True,
+                                  E=rng.choice([4, 8]), pull_ranks=frozenset(range(world)), known_rng=rng)  # fmt: skip
+        known, awaited = known + arms[0], awaited + arms[1]
+    assert known > 0 and awaited > 0, (known, awaited)  # both kinds of arm ran
+    print(f"native_sim_reduce one launch triton ok ({known} arms known, {awaited} awaited)", file=sys.stderr)
