@@ -66,10 +66,11 @@ def layout(rank: int, world: int, rows: int):
 
 def start_line(line: torch.Tensor, iters: int, ahead: bool) -> None:
     """Where the ranks' streams meet before timed calls: with ``ahead`` the GPU first sleeps
-    ~0.5 ms per call (at ~2 GHz) so the host can enqueue them all; then an all_reduce of
-    ``line`` (a one-element tensor made beforehand) on the device."""
+    ~1.5 ms per call (at ~2 GHz) so the host can enqueue them all (a native reduce's host path
+    took 165-365 us a call on the H100 hosts: 0.5 ms was sometimes too short); then an
+    all_reduce of ``line`` (a one-element tensor made beforehand) on the device."""
     if ahead:
-        torch.cuda._sleep(iters * 1_000_000)
+        torch.cuda._sleep(iters * 3_000_000)
     dist.all_reduce(line)
 
 
@@ -92,7 +93,7 @@ def timed_calls(fn, iters: int, ahead: bool, line: torch.Tensor):
 def timed(fn, iters: int, warmup: int, ahead: bool = False) -> float:
     """Seconds per call: slowest rank, CUDA events on the current stream.
 
-    ``ahead``: the GPU first sleeps for a fixed time (~0.5 ms per call), meant to let the host
+    ``ahead``: the GPU first sleeps for a fixed time (~1.5 ms per call), meant to let the host
     enqueue all ``iters`` calls first, so the time is the device's alone (the host path hidden,
     as when a cast is issued ahead of the kernels it overlaps). NaN when the host took longer
     than the sleep on some rank (no device time to report). Either way the ranks' streams meet

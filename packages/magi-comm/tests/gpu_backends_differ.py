@@ -66,15 +66,23 @@ def main() -> int:
             dist.barrier(group=host)  # rank 0's call is enqueued
             time.sleep(LATE_S)
         start = time.perf_counter()
-        # a host error while enqueuing is not caught: the rank's exit fails the run
-        be.group_reduce(sym, out, plan, False, "sum", None, None, True).wait()
+        # the kernels' error may surface at any later CUDA call, the staged call's own enqueue
+        # included (its torch reduction follows the receive copy that trapped): caught there too
+        error = None
+        try:
+            be.group_reduce(sym, out, plan, False, "sum", None, None, True).wait()
+        except RuntimeError as e:
+            error = e
         if call == 2 and rank == 0:
             dist.barrier(group=host)
-        try:  # only the kernels' own error counts: a CUDA error at the synchronization
-            torch.cuda.synchronize()
-            got = out.cpu()
-        except RuntimeError as e:
-            took, what = time.perf_counter() - start, str(e).splitlines()[0][:120]
+        if error is None:
+            try:
+                torch.cuda.synchronize()
+                got = out.cpu()
+            except RuntimeError as e:
+                error = e
+        if error is not None:  # only a CUDA error (the kernels' own) counts
+            took, what = time.perf_counter() - start, str(error).splitlines()[0][:120]
             if call == 1 or "CUDA error" not in what:
                 detail = f"call {call}: {what}"
             elif rank == 1:
