@@ -5,11 +5,11 @@ context_parallel, are skipped there and show as "–")."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+# allgather_cp, bench_dist, step_series: tools/*.py, by name (conftest.py)
+import allgather_cp
+import bench_dist as bd
 import pytest
+import step_series as ss
 import torch
 import torch.distributed as dist
 
@@ -17,24 +17,8 @@ from ffa_kernels import flex_flash_attn_func
 from magi_dist.testing import run_ranks
 from magi_solver import masks
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def _tool(name: str):
-    """tools/<name>.py as the module ``name`` (bench_dist imports allgather_cp by that name,
-    which a script finds in its own folder)."""
-    if name not in sys.modules:
-        if name == "bench_dist":
-            _tool("allgather_cp")
-        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 def test_cases_and_flops():
-    bd = _tool("bench_dist")
     cases = bd.bench_cases(bd.STEP_MASKS, [65536, 131072])
     assert [c.name for c in cases[:4]] == [
         "varlen causal 64k",
@@ -66,8 +50,6 @@ def test_cases_and_flops():
 
 def test_step_series_arguments():
     """tools/step_series.py: bench_dist's mask kinds only, free mode by default."""
-    _tool("bench_dist")
-    ss = _tool("step_series")
     args = ss.parse_args(["--mask", "varlen_full", "--modes", "free", "sync"])
     assert (args.mask, args.total, args.modes) == ("varlen_full", 65536, ["free", "sync"])
     assert ss.parse_args([]).modes == ["free"]
@@ -76,7 +58,6 @@ def test_step_series_arguments():
 
 
 def test_step_table():
-    bd = _tool("bench_dist")
     nan = float("nan")
     row = bd.StepRow("causal 64k", 7e14, 7e14, 1.0, 0.95, 0.9, 1.8, 1.1, 1.25, 1.001)
     cells = row.cells(cp=2)
@@ -91,9 +72,8 @@ def test_step_table():
 
 
 def allgather_fwd_bwd(rank: int, world: int) -> list[float]:
-    ag_mod = _tool("allgather_cp")
     mask = masks.varlen([0, 100, 230, 300], causal=True)
-    ag = ag_mod.AllGatherCP(mask, dist.group.WORLD, 16)
+    ag = allgather_cp.AllGatherCP(mask, dist.group.WORLD, 16)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(300, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
     lq, lk, lv = (ag.dispatch(x, rank).requires_grad_() for x in (q, k, v))
@@ -110,7 +90,6 @@ def allgather_fwd_bwd(rank: int, world: int) -> list[float]:
 def on_gloo(rank: int, world: int, argvs: list[list[str]]) -> tuple[list[float], list[str]]:
     """The all-gather check, then each benchmark run (one process group for all: spawning ranks
     costs more than the tiny benchmark)."""
-    bd = _tool("bench_dist")
     return allgather_fwd_bwd(rank, world), [bd.run(bd.parse_args(argv)) for argv in argvs]
 
 
@@ -126,7 +105,7 @@ def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
         assert max(errs) < 1e-12, (rank, errs)  # all-gather CP: out, dq, dk, dv against one process
     step, fwd, magi_only = ranks[0][1]
     lines = step.strip().splitlines()
-    assert lines[-4] == _tool("bench_dist").STEP_HEADER
+    assert lines[-4] == bd.STEP_HEADER
     assert lines[-2].startswith("| varlen causal 512 | ") and lines[-1].startswith("| full 512 | ")
     assert "| causal 512 | " in fwd and "K/V bytes received per rank" in fwd
     # --no-baselines (with --alternate): the magi step and the whole mask on one GPU, every
@@ -137,7 +116,6 @@ def test_allgather_baseline_and_both_benchmark_modes_on_gloo():
 
 
 def test_alternate_timings_take_turns():
-    bd = _tool("bench_dist")
     calls = []
     a = iter([5.0, 1.0])
     b = iter([7.0, 9.0])

@@ -4,28 +4,17 @@ backward while (and only while) that setting is timed."""
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-from pathlib import Path
 
+# bench_dist, step_ab: tools/*.py, by name as step_ab imports its neighbours (conftest.py)
+import bench_dist
 import pytest
+import step_ab as ab
 
 from magi_dist.testing import run_ranks
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def _ab():
-    """tools/step_ab.py, imported as the script imports its neighbours (bench_dist,
-    trace_summary): by name, from the tools folder."""
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    return importlib.import_module("step_ab")
-
 
 def test_settings_parse_and_refuse_what_is_not_read_per_call():
-    ab = _ab()
     assert ab.parse_setting("default") == ab.Setting("default", {})
     st = ab.parse_setting("both:MAGI_DIST_BWD_SPLIT=1,MAGI_DIST_KEEP_KV=1")
     assert st.env == {"MAGI_DIST_BWD_SPLIT": "1", "MAGI_DIST_KEEP_KV": "1"}
@@ -57,7 +46,6 @@ def test_settings_parse_and_refuse_what_is_not_read_per_call():
 
 
 def test_applied_sets_unsets_and_restores(monkeypatch):
-    ab = _ab()
     split, keep, low = "MAGI_DIST_BWD_SPLIT", "MAGI_DIST_KEEP_KV", "MAGI_DIST_BWD_LOW_PRECISION_REDUCE"
     monkeypatch.setenv(split, "0")
     monkeypatch.setenv(low, "1")  # exported outside, named by no setting
@@ -72,7 +60,6 @@ def test_applied_sets_unsets_and_restores(monkeypatch):
 
 
 def test_turns_and_tables():
-    ab = _ab()
     calls = []
 
     def timer(name, values):
@@ -84,7 +71,6 @@ def test_turns_and_tables():
 
         return t
 
-    bench_dist = importlib.import_module("bench_dist")  # step_ab's neighbour, imported with it
     got = bench_dist.round_robin({"a": timer("a", [3.0, 1.0, 2.0]), "b": timer("b", [4.0, 6.0, 5.0])}, 3)
     assert got == {"a": [3.0, 1.0, 2.0], "b": [4.0, 6.0, 5.0]} and calls == ["a", "b"] * 3
     table = ab.ab_table("t", {"a": [0.002, 0.004, 0.003], "b": [0.006]}, 1e12, 2)
@@ -95,8 +81,6 @@ def test_turns_and_tables():
 
 
 def test_kernel_times_of_a_trace():
-    ab = _ab()
-
     def x(name, ts, dur):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
 
@@ -120,7 +104,6 @@ def ab_on_gloo(rank: int, world: int, argv: list[str]) -> tuple[str, list[bool],
     when (after how many backward calls) the symmetric partials' pool was freed."""
     import magi_dist.attn as attn
 
-    ab = _ab()
     seen = []
     real = attn.bwd_split
 

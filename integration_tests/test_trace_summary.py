@@ -3,20 +3,10 @@ arithmetic, and the report's numbers (busy, idle, idle while another stream was 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def _ts():
-    spec = importlib.util.spec_from_file_location("trace_summary", TOOLS / "trace_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["trace_summary"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+# tools/trace_summary.py, by name (conftest.py)
+import trace_summary as ts
 
 
 def _x(name, cat, stream, ts, dur):
@@ -24,7 +14,6 @@ def _x(name, cat, stream, ts, dur):
 
 
 def test_interval_arithmetic():
-    ts = _ts()
     assert ts.union([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
     assert ts.overlap([(0, 3), (5, 8)], [(2, 6)]) == 2
     assert ts.idle([(1, 2), (4, 5)], (0, 6)) == [(0, 1), (2, 4), (5, 6)]
@@ -32,7 +21,6 @@ def test_interval_arithmetic():
 
 
 def test_report_of_a_step(tmp_path, capsys):
-    ts = _ts()
     # compute stream 7: attention 0-50, a gap 50-70 while stream 9 copies 45-65, fill 70-75,
     # a gap 75-80 with nothing running, attention 80-100; CPU ops and other phases are ignored
     events = [

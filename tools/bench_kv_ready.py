@@ -31,9 +31,9 @@ import argparse
 import statistics
 
 import torch
-from bench_pull_floor import memops
 
 from ffa_kernels import KVReady, ffa_forward
+from ffa_kernels._kv_ready import stream_write_value32  # no SM (see above)
 
 
 def main() -> None:
@@ -57,10 +57,6 @@ def main() -> None:
     types = torch.tensor([1, 0], dtype=torch.int32, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
-    write, _ = memops()  # stream memory operations: no SM (see above)
-
-    def raise_flag(stream, value: int) -> None:
-        write(stream, flag.data_ptr(), value)
 
     want = ffa_forward(q, k, v, qr, kr, types)[0]
     area = t * t / 2 + (t - r0) * t  # causal local + full remote
@@ -73,7 +69,7 @@ def main() -> None:
         value += 1
         if name in ("plain", "flag up"):  # the rows in place before the clock starts
             kv[t:].copy_(kv_src[t:])
-            raise_flag(torch.cuda.current_stream(), value)
+            stream_write_value32(torch.cuda.current_stream(), flag, value)
         else:
             kv[t:].fill_(float("nan"))  # the remote rows, not yet arrived
         torch.cuda.synchronize()
@@ -90,7 +86,7 @@ def main() -> None:
         side.wait_event(start)
         with torch.cuda.stream(side):
             kv[t:].copy_(remote_host, non_blocking=True)
-        raise_flag(side, value)
+        stream_write_value32(side, flag, value)
         return side
 
     def plain(start):

@@ -33,6 +33,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from ffa_kernels._kv_ready import stream_wait_value32, stream_write_value32
+
 MIB = 1 << 20
 FLAGS_AT = 200 * MIB  # byte offset of the flag words in the symmetric buffer (inputs below it)
 SHAPES = (
@@ -107,32 +109,6 @@ def await_word(ptr, value):
         f = tl.load(ptr, volatile=True)
 
 
-def memops():
-    """``(write, wait)``: stream memory operations on 32-bit words (cuda.bindings)."""
-    from cuda.bindings import driver as drv
-
-    def check(res, what):
-        err = res[0] if isinstance(res, tuple) else res
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{what}: {err}")
-
-    geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-
-    def write(stream, addr: int, value: int) -> None:
-        check(
-            drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(addr), value, 0),
-            "write",
-        )
-
-    def wait(stream, addr: int, value: int) -> None:
-        check(
-            drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(addr), value, geq),
-            "wait",
-        )
-
-    return write, wait
-
-
 def flag_words(st, peer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ours, the peer's)``: the int32 flag words in the symmetric buffer, at ``FLAGS_AT``."""
     return tuple(t[FLAGS_AT : FLAGS_AT + 64].view(torch.int32) for t in (st.buf, st.peers[peer]))
@@ -149,14 +125,13 @@ def reset(flags: torch.Tensor) -> None:
 
 def round_trips(flags: torch.Tensor, peer_flags: torch.Tensor, rank: int, timed, log) -> None:
     """Signal round trips: stream memory operations, a kernel each way, one looping kernel."""
-    write, wait = memops()
     count = [0]
 
     def memop():
         count[0] += 1
         s = torch.cuda.current_stream()
-        write(s, peer_flags.data_ptr(), count[0])
-        wait(s, flags.data_ptr(), count[0])
+        stream_write_value32(s, peer_flags, count[0])
+        stream_wait_value32(s, flags, count[0])
 
     def kernels():
         count[0] += 1

@@ -18,7 +18,7 @@ import torch
 
 from ._validate import reads_in_place
 
-__all__ = ["KVReady", "check_kv_ready", "wait_on_stream"]
+__all__ = ["KVReady", "check_kv_ready", "stream_wait_value32", "stream_write_value32", "wait_on_stream"]
 
 
 class KVReady(NamedTuple):
@@ -101,15 +101,50 @@ def wait_on_stream(kv_ready: KVReady | None) -> None:
             )
         return
     try:
-        import cuda.bindings.driver as drv
-    except ImportError as exc:
-        raise RuntimeError(
-            "kv_ready: the reference backend waits on CUDA with cuda-python (cuda.bindings)"
-        ) from exc
-    stream = torch.cuda.current_stream(flag.device).cuda_stream
+        stream_wait_value32(torch.cuda.current_stream(flag.device), flag, kv_ready.value)
+    except RuntimeError as exc:  # the caller passed kv_ready, not a stream: name it
+        raise RuntimeError(f"kv_ready: the reference backend's wait on the stream: {exc}") from exc
+
+
+# Stream memory operations: the GPU's front end runs them, not an SM, so they make progress while
+# a kernel that waits for a word holds every SM. The tools (bench_kv_ready, bench_pull_floor)
+# raise and await their words with these too: one wrapper of the driver calls.
+
+
+def stream_wait_value32(stream: torch.cuda.Stream, word: torch.Tensor, value: int) -> None:
+    """Enqueue on ``stream`` a wait until ``word``'s first element, an int32 in device memory
+    (this GPU's or a peer's it can reach), is >= ``value``, compared cyclically
+    (``cuStreamWaitValue32``). Needs cuda-python; raises RuntimeError naming the driver call."""
+    drv = _driver("cuStreamWaitValue32")
     geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     (err,) = drv.cuStreamWaitValue32(
-        drv.CUstream(stream), drv.CUdeviceptr(flag.data_ptr()), kv_ready.value, geq
+        drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(word.data_ptr()), value, geq
     )
+    _check(drv, "cuStreamWaitValue32", err)
+
+
+def stream_write_value32(stream: torch.cuda.Stream, word: torch.Tensor, value: int) -> None:
+    """Enqueue on ``stream`` a write of ``value`` into ``word``'s first element, an int32 in
+    device memory (this GPU's or a peer's it can reach), once the work before it on ``stream``
+    is done (``cuStreamWriteValue32``). Needs cuda-python; raises RuntimeError naming the driver
+    call."""
+    drv = _driver("cuStreamWriteValue32")
+    default = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+    (err,) = drv.cuStreamWriteValue32(
+        drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(word.data_ptr()), value, default
+    )
+    _check(drv, "cuStreamWriteValue32", err)
+
+
+def _driver(call: str):
+    """cuda-python's driver module, or a RuntimeError saying that ``call`` needs it."""
+    try:
+        import cuda.bindings.driver as drv
+    except ImportError as exc:
+        raise RuntimeError(f"{call} needs cuda-python (cuda.bindings)") from exc
+    return drv
+
+
+def _check(drv, call: str, err) -> None:
     if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"kv_ready: cuStreamWaitValue32 failed: {err}")
+        raise RuntimeError(f"{call} failed: {err}")

@@ -538,6 +538,9 @@ class FFABackwardSm90:
                     ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, n_stop, head_kv, grad_scale, dv_scale
                 )
         else:
+            # the same call as above, kept apart: one call would need a condition that is a
+            # compile-time False here, and an `if` outside const_expr traces both arms (scf.if):
+            # this kernel would trace epilogue_dkv_store on its stand-in TMA descriptors
             self.epilogue_dkv(
                 ctid, tiled_mma_dkv, acc_dK, acc_dV, mdK, mdV, n0, n_stop, head_kv, grad_scale, dv_scale
             )
