@@ -299,3 +299,33 @@ def test_a_known_arm_is_for_the_one_launch_reduce_only(monkeypatch):
     with pytest.raises(ValueError, match=r"words\[0\]: a known arm .* one-launch reduce only"):
         send(buf.data_ptr(), buf.data_ptr() + 8 * n, sync=proto.ARM_AND_WAIT, words=(word, proto.pack_peer()))
     assert not ptx
+
+
+@pytest.mark.parametrize("launch", ["real", "fake"])
+def test_copy_launch_roles_are_one_rule(launch):
+    """The real copy launch and the CPU fake's refuse the same role combinations, with the same
+    errors (protocol.check_copy_roles), before anything is compiled or run."""
+    from magi_comm.backends.native.layout import TaskTable, to_blocks
+
+    n = 64
+    sig = torch.zeros(64, dtype=torch.int64)
+    buf = torch.zeros(2 * n, dtype=torch.int64)
+    hs = proto.Handshake(sig.data_ptr(), sig.data_ptr(), sig.data_ptr(), 1)
+    table = to_blocks(TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]])), 1, 16)
+    world = native_fake.FakeWorld(2)
+    make = kernels.CopyLaunch if launch == "real" else native_fake.CopyLaunch
+    extra = {} if launch == "real" else {"world": world}
+    pulls = (sig.data_ptr(), 2, 0b11)  # (pull-map area, map width, sources)
+    bad = [
+        (dict(publish=(1, 2, 3, 4)), "need a handshake"),
+        (dict(handshake=hs, publish=(1, 2, 3, 4), direct=(1, 2, 3)), "either writes into peer outputs"),
+        (dict(peers=[buf.data_ptr(), None], unpulled=pulls), "got peers"),
+        (dict(handshake=hs, unpulled=pulls, publish=(1, 2, 3, 4)), "got publish"),
+        (dict(unpulled=(sig.data_ptr(), 0, 1)), "map_width >= 1"),
+        (dict(unpulled=(sig.data_ptr(), 2, 0b100)), r"sources in \[1, 2\*\*2\)"),
+    ]
+    for kw, match in bad:
+        peers = kw.pop("peers", [None, None])
+        with pytest.raises(ValueError, match=match):
+            make(table, peers, torch.int64, **kw, **extra)
+    make(table, [None, None], torch.int64, unpulled=pulls, **extra)  # a staged receive copy: accepted

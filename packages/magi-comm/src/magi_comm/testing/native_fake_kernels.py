@@ -65,9 +65,7 @@ class CopyLaunch:
         world=None,
     ):
         assert max_programs >= 0
-        assert (progress is None and waits is None and publish is None) or handshake is not None
-        assert publish is None or direct is None
-        assert unpulled is None or not (publish or direct or waits or any(peers))
+        proto.check_copy_roles(peers, handshake, progress, waits, publish, direct, unpulled)
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.max_programs, self.handshake = max_programs, handshake
         self.progress, self.waits, self.publish, self.unpulled = progress, waits, publish, unpulled

@@ -27,6 +27,7 @@ __all__ = [
     "WAIT_READY_END",
     "Handshake",
     "arm_known",
+    "check_copy_roles",
     "pack_done",
     "pack_peer",
     "progress_value",
@@ -98,6 +99,29 @@ def pack_peer(arm_wait: int = 0, ready_wait: int = 0, arm_now: bool = False, kno
 def arm_known(word: int) -> bool:
     """Whether a :func:`pack_peer` word says the destination's arm is known."""
     return word < 0
+
+
+def check_copy_roles(peers, handshake, progress, waits, publish, direct, unpulled) -> None:
+    """The roles a copy launch may combine (its constructor's arguments of the same names; the
+    real launch and the CPU fake's share this rule): progress, waits and a publish table need a
+    handshake; a launch either writes into peer outputs (``direct``: a cast) or publishes (a
+    reduce); ``unpulled`` ``(pulls, map_width, sources)`` is for a staged reduce's receive copy
+    alone, with a map width >= 1 and a nonzero source mask over ``len(peers)`` peers. Raises
+    ValueError naming what conflicts."""
+    if (progress or waits or publish) and handshake is None:
+        raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
+    if publish and direct:
+        raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
+    if unpulled:
+        given = {"peers": any(peers), "waits": waits, "publish": publish, "direct": direct}
+        if any(v for v in given.values()):
+            raise ValueError(
+                "unpulled is for a receive copy that follows the transfer, without peers, waits, "
+                f"publish or direct; got {', '.join(k for k, v in given.items() if v)}"
+            )
+        W = len(peers)
+        if unpulled[1] < 1 or not 0 < unpulled[2] < 1 << W:
+            raise ValueError(f"unpulled needs map_width >= 1 and sources in [1, 2**{W}), got {unpulled}")
 
 
 def refuse_known_arms(words) -> None:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import protocol as proto
 from ..layout import MAX_PEERS, BlockTable
-from ..protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake
+from ..protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake, check_copy_roles
 from .compiled import CompiledKernel, args_device, specialization
 from .handshake import (
     PEER_ARGS,
@@ -450,19 +450,7 @@ class CopyLaunch:
             table.num_blocks,
             progress[2] if progress else 1,
         )
-        if (progress or waits or publish) and hs is None:
-            raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
-        if publish and direct:
-            raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
-        if unpulled:
-            given = {"peers": any(peers), "waits": waits, "publish": publish, "direct": direct}
-            if any(v for v in given.values()):
-                raise ValueError(
-                    "unpulled is for a receive copy that follows the transfer, without peers, waits, "
-                    f"publish or direct; got {', '.join(k for k, v in given.items() if v)}"
-                )
-            if unpulled[1] < 1 or not 0 < unpulled[2] < 1 << W:
-                raise ValueError(f"unpulled needs map_width >= 1 and sources in [1, 2**{W}), got {unpulled}")
+        check_copy_roles(peers, hs, progress, waits, publish, direct, unpulled)
         self.progress, self.waits, self.publish = progress, waits, publish
         self.handshake = hs
         self.base_consts = dict(
