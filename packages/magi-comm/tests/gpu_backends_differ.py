@@ -8,9 +8,9 @@ creates one with ``fused_reduce=False``, which turns one launch off on rank 1 on
 collective: the misuse docs/native.md "The arm known" guards against). Call 1: both reduce from
 symmetric inputs with the first backend (rank 0 in one launch, rank 1 through the fused
 reduction's send launch, its rows pulled by rank 0; checked against the oracle). Call 2: rank 0
-again; rank 1 with the staged backend, enqueued only after rank 0 has enqueued its call (a
-host barrier) and 0.2 s more, so that rank 0, its peer's arm known, publishes its map against
-the accept word of call 1. Rank 1's receive copy must stop with an error (a trap) well before
+again; rank 1 with the staged backend, enqueued only once rank 0's map for call 2 is in rank 1's
+pull-map area (rank 1 clears that row's header after call 1, then polls it), so that rank 0, its
+peer's arm known, has published its map against the accept word of call 1. Rank 1's receive copy must stop with an error (a trap) well before
 the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``, 40 s here), not return the rows of call 1;
 rank 0 must end in an error too (its wait for rank 1's DONE). The verdicts travel over gloo (the
 CUDA contexts are in error); prints RESULT on rank 0.
@@ -27,8 +27,27 @@ import time
 import torch
 import torch.distributed as dist
 
-LATE_S = 0.2  # how long after rank 0 enqueued its second call rank 1 enqueues its own
 QUICK_S = 20.0  # rank 1's error must come sooner than this (the wait bound is 40 s)
+MAP_WAIT_S = 10.0  # how long rank 1 waits for rank 0's second map before it gives up
+
+
+def await_second_map(header: torch.Tensor, rank: int, host) -> bool:
+    """Call 2's order: rank 1 enqueues its staged call only once rank 0 has published its map.
+    ``header``: rank 0's row header in this rank's pull-map area, which still holds call 1's map;
+    rank 1 clears it (nothing reads it between calls), then, after rank 0 has passed the barrier
+    and enqueued its call, polls it. False: rank 0's map did not come within ``MAP_WAIT_S``."""
+    if rank == 1:
+        header.zero_()
+        torch.cuda.synchronize()
+    dist.barrier(group=host)
+    if rank == 0:
+        return True
+    waited = time.perf_counter()
+    while int(header.item()) == 0:
+        if time.perf_counter() - waited > MAP_WAIT_S:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def main() -> int:
@@ -62,9 +81,9 @@ def main() -> int:
         out = old.to(dev)
         want = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)
         be = staged if call == 2 and staged is not None else fused
-        if call == 2 and rank == 1:
-            dist.barrier(group=host)  # rank 0's call is enqueued
-            time.sleep(LATE_S)
+        if call == 2 and not await_second_map(fused._require().pull_maps[:1], rank, host):
+            detail = f"call 2: rank 0's map did not arrive within {MAP_WAIT_S} s (not the check's fault)"
+            break
         start = time.perf_counter()
         # the kernels' error may surface at any later CUDA call, the staged call's own enqueue
         # included (its torch reduction follows the receive copy that trapped): caught there too
@@ -73,8 +92,6 @@ def main() -> int:
             be.group_reduce(sym, out, plan, False, "sum", None, None, True).wait()
         except RuntimeError as e:
             error = e
-        if call == 2 and rank == 0:
-            dist.barrier(group=host)
         if error is None:
             try:
                 torch.cuda.synchronize()
@@ -88,8 +105,8 @@ def main() -> int:
             elif rank == 1:
                 verdict = 0 if took < QUICK_S else 1
                 detail = f"call 2: error after {took:.2f} s ({what})"
-                if verdict:  # its wait's bound, not the check: rank 0 likely read the new accept word
-                    detail += f"; later than {QUICK_S} s: rank 0 may have refused (LATE_S too short?)"
+                if verdict:  # its wait's bound, not the check's trap
+                    detail += f"; later than {QUICK_S} s: the staged receive copy did not trap"
             else:
                 verdict, detail = 0, f"call 2: error after {took:.2f} s (its DONE wait)"
             break
