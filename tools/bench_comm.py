@@ -67,7 +67,7 @@ def layout(rank: int, world: int, rows: int):
 def start_line(line: torch.Tensor, iters: int, ahead: bool) -> None:
     """Where the ranks' streams meet before timed calls: with ``ahead`` the GPU first sleeps
     ~1.5 ms per call (at ~2 GHz) so the host can enqueue them all (a native reduce's host path
-    took 165-365 us a call on the H100 hosts: 0.5 ms was sometimes too short); then an
+    took 165-366 us a call on the H100 hosts: 0.5 ms was sometimes too short); then an
     all_reduce of ``line`` (a one-element tensor made beforehand) on the device."""
     if ahead:
         torch.cuda._sleep(iters * 3_000_000)

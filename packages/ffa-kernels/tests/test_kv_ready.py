@@ -113,3 +113,21 @@ def test_the_launch_refuses_to_copy_late_rows(which):
     with pytest.raises(ValueError, match="kv_ready: k and v must be read in place"):
         interface._launch(None, False, None, q, args["k"], args["v"], None, lse, None, None, None,
                           1.0, 0.0, 0, None, 1, ready)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["stream_wait_value32", "stream_write_value32"])
+@pytest.mark.parametrize(
+    "word, seen",
+    [
+        (torch.zeros(1, dtype=torch.int32), "torch.int32 on cpu"),
+        (torch.zeros(1, dtype=torch.int64), "torch.int64 on cpu"),
+        (0x1000, "int"),
+    ],
+)
+def test_stream_memory_operations_refuse_a_word_that_is_not_an_int32_cuda_tensor(name, word, seen):
+    """The driver takes any address (a host one too) and compares 32 bits of what lies there:
+    the wrappers refuse such a word before calling it, naming the argument and what they got."""
+    from ffa_kernels import _kv_ready
+
+    with pytest.raises(ValueError, match=rf"word: cuStream\w+Value32 needs an int32 CUDA tensor, got {seen}"):
+        getattr(_kv_ready, name)(None, word, 1)

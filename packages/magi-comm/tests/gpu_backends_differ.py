@@ -10,9 +10,10 @@ symmetric inputs with the first backend (rank 0 in one launch, rank 1 through th
 reduction's send launch, its rows pulled by rank 0; checked against the oracle). Call 2: rank 0
 again; rank 1 with the staged backend, enqueued only once rank 0's map for call 2 is in rank 1's
 pull-map area (rank 1 clears that row's header after call 1, then polls it), so that rank 0, its
-peer's arm known, has published its map against the accept word of call 1. Rank 1's receive copy must stop with an error (a trap) well before
-the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``, 40 s here), not return the rows of call 1;
-rank 0 must end in an error too (its wait for rank 1's DONE). The verdicts travel over gloo (the
+peer's arm known, has published its map against the accept word of call 1. Rank 1's receive copy
+must stop with an error (a trap) well before the wait bound (``MAGI_COMM_NATIVE_WAIT_TIMEOUT_S``,
+40 s here), not return the rows of call 1; rank 0 must end in an error too (its wait for rank
+1's DONE). The verdicts travel over gloo (the
 CUDA contexts are in error); prints RESULT on rank 0.
 """
 
@@ -50,6 +51,15 @@ def await_second_map(header: torch.Tensor, rank: int, host) -> bool:
     return True
 
 
+def both_good(good: bool, world: int, host) -> bool:
+    """Whether call 1 was good on every rank (over gloo): call 2 runs only after a good call 1
+    on both ranks, and a rank whose call 1 failed still answers, so its peer does not pair this
+    exchange with the verdicts' at the end."""
+    both = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(both, torch.tensor([int(good)]), group=host)
+    return all(int(x) for x in both)
+
+
 def main() -> int:
     faulthandler.dump_traceback_later(150, exit=True)
     os.environ["MAGI_COMM_NATIVE_WAIT_TIMEOUT_S"] = "40"  # read when the kernels are imported; > QUICK_S
@@ -81,8 +91,11 @@ def main() -> int:
         out = old.to(dev)
         want = lib.reduce_oracle_sum_avg(lay, inputs, rank, old, "sum", True)
         be = staged if call == 2 and staged is not None else fused
+        # source 0's row of the flat (W x map_width) pull-map area: its first word, the header
         if call == 2 and not await_second_map(fused._require().pull_maps[:1], rank, host):
-            detail = f"call 2: rank 0's map did not arrive within {MAP_WAIT_S} s (not the check's fault)"
+            detail = (
+                f"call 2 not ordered: rank 0 published no map within {MAP_WAIT_S} s (the check did not run)"
+            )
             break
         start = time.perf_counter()
         # the kernels' error may surface at any later CUDA call, the staged call's own enqueue
@@ -109,13 +122,12 @@ def main() -> int:
                     detail += f"; later than {QUICK_S} s: the staged receive copy did not trap"
             else:
                 verdict, detail = 0, f"call 2: error after {took:.2f} s (its DONE wait)"
+            if call == 1:  # the peer waits for this rank's call-1 verdict
+                both_good(False, world, host)
             break
         if call == 1:
-            good = torch.tensor([int(torch.equal(got, want))])
-            both = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(both, good, group=host)  # call 2 only after a good call 1 on both ranks
-            if not all(int(x) for x in both):
-                detail = "call 1: a result differs from the oracle"
+            if not both_good(torch.equal(got, want), world, host):
+                detail = "call 1: a result differs from the oracle or failed (on some rank)"
                 break
         else:
             same = torch.equal(got, want)

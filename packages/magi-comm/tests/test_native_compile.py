@@ -316,11 +316,18 @@ def test_copy_launch_roles_are_one_rule(launch):
     make = kernels.CopyLaunch if launch == "real" else native_fake.CopyLaunch
     extra = {} if launch == "real" else {"world": world}
     pulls = (sig.data_ptr(), 2, 0b11)  # (pull-map area, map width, sources)
+    waits = (
+        torch.zeros(table.num_blocks, dtype=torch.int32),
+        torch.ones(table.num_blocks, dtype=torch.int32),
+    )
     bad = [
-        (dict(publish=(1, 2, 3, 4)), "need a handshake"),
-        (dict(handshake=hs, publish=(1, 2, 3, 4), direct=(1, 2, 3)), "either writes into peer outputs"),
+        (dict(publish=(1, 2, 3, 4)), r"publish need a handshake .*got handshake=None"),
+        (dict(waits=waits), r"waits need a handshake"),
+        (dict(handshake=hs, publish=(1, 2, 3, 4), direct=(1, 2, 3)), "direct .* and publish .* exclude"),
         (dict(peers=[buf.data_ptr(), None], unpulled=pulls), "got peers"),
         (dict(handshake=hs, unpulled=pulls, publish=(1, 2, 3, 4)), "got publish"),
+        (dict(handshake=hs, unpulled=pulls, waits=waits), "got waits"),
+        (dict(unpulled=pulls, direct=(1, 2, 3)), "got direct"),
         (dict(unpulled=(sig.data_ptr(), 0, 1)), "map_width >= 1"),
         (dict(unpulled=(sig.data_ptr(), 2, 0b100)), r"sources in \[1, 2\*\*2\)"),
     ]

@@ -114,30 +114,35 @@ def wait_on_stream(kv_ready: KVReady | None) -> None:
 def stream_wait_value32(stream: torch.cuda.Stream, word: torch.Tensor, value: int) -> None:
     """Enqueue on ``stream`` a wait until ``word``'s first element, an int32 in device memory
     (this GPU's or a peer's it can reach), is >= ``value``, compared cyclically
-    (``cuStreamWaitValue32``). Needs cuda-python; raises RuntimeError naming the driver call."""
-    drv = _driver("cuStreamWaitValue32")
+    (``cuStreamWaitValue32``). Needs cuda-python; a ``word`` that is not an int32 CUDA tensor is a ValueError, a
+    driver error a RuntimeError naming the call."""
+    drv = _driver("cuStreamWaitValue32", word)
     geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     (err,) = drv.cuStreamWaitValue32(
         drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(word.data_ptr()), value, geq
     )
-    _check(drv, "cuStreamWaitValue32", err)
+    _check(drv, "cuStreamWaitValue32", err, word, value)
 
 
 def stream_write_value32(stream: torch.cuda.Stream, word: torch.Tensor, value: int) -> None:
     """Enqueue on ``stream`` a write of ``value`` into ``word``'s first element, an int32 in
     device memory (this GPU's or a peer's it can reach), once the work before it on ``stream``
-    is done (``cuStreamWriteValue32``). Needs cuda-python; raises RuntimeError naming the driver
-    call."""
-    drv = _driver("cuStreamWriteValue32")
+    is done (``cuStreamWriteValue32``). Needs cuda-python; a ``word`` that is not an int32 CUDA
+    tensor is a ValueError, a driver error a RuntimeError naming the call."""
+    drv = _driver("cuStreamWriteValue32", word)
     default = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
     (err,) = drv.cuStreamWriteValue32(
         drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(word.data_ptr()), value, default
     )
-    _check(drv, "cuStreamWriteValue32", err)
+    _check(drv, "cuStreamWriteValue32", err, word, value)
 
 
-def _driver(call: str):
-    """cuda-python's driver module, or a RuntimeError saying that ``call`` needs it."""
+def _driver(call: str, word: torch.Tensor):
+    """cuda-python's driver module, once ``word`` is known to be an int32 CUDA tensor (the
+    driver would take a host address too, and compare 32 bits of whatever lies there)."""
+    if not isinstance(word, torch.Tensor) or word.dtype != torch.int32 or word.device.type != "cuda":
+        seen = f"{word.dtype} on {word.device}" if isinstance(word, torch.Tensor) else type(word).__name__
+        raise ValueError(f"word: {call} needs an int32 CUDA tensor, got {seen}")
     try:
         import cuda.bindings.driver as drv
     except ImportError as exc:
@@ -145,6 +150,8 @@ def _driver(call: str):
     return drv
 
 
-def _check(drv, call: str, err) -> None:
+def _check(drv, call: str, err, word: torch.Tensor, value: int) -> None:
     if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{call} failed: {err}")
+        raise RuntimeError(
+            f"{call}(word at {word.data_ptr():#x} on {word.device}, value {value}) failed: {err}"
+        )

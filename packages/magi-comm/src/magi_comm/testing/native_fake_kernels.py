@@ -65,7 +65,10 @@ class CopyLaunch:
         world=None,
     ):
         assert max_programs >= 0
-        proto.check_copy_roles(peers, handshake, progress, waits, publish, direct, unpulled)
+        proto.check_copy_roles(
+            peers=peers, handshake=handshake, progress=progress, waits=waits, publish=publish, direct=direct,
+            unpulled=unpulled,
+        )  # fmt: skip
         self.table, self.peers, self.dtype, self.direct = table, peers, dtype, direct
         self.max_programs, self.handshake = max_programs, handshake
         self.progress, self.waits, self.publish, self.unpulled = progress, waits, publish, unpulled

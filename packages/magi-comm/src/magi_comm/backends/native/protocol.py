@@ -101,17 +101,22 @@ def arm_known(word: int) -> bool:
     return word < 0
 
 
-def check_copy_roles(peers, handshake, progress, waits, publish, direct, unpulled) -> None:
+def check_copy_roles(*, peers, handshake, progress, waits, publish, direct, unpulled) -> None:
     """The roles a copy launch may combine (its constructor's arguments of the same names; the
     real launch and the CPU fake's share this rule): progress, waits and a publish table need a
     handshake; a launch either writes into peer outputs (``direct``: a cast) or publishes (a
     reduce); ``unpulled`` ``(pulls, map_width, sources)`` is for a staged reduce's receive copy
     alone, with a map width >= 1 and a nonzero source mask over ``len(peers)`` peers. Raises
     ValueError naming what conflicts."""
-    if (progress or waits or publish) and handshake is None:
-        raise ValueError("progress, waits and publish need a handshake (the signal slots, the rank)")
+    needing = [n for n, v in (("progress", progress), ("waits", waits), ("publish", publish)) if v]
+    if needing and handshake is None:
+        raise ValueError(
+            f"{', '.join(needing)} need a handshake (the signal slots, the rank); got handshake=None"
+        )
     if publish and direct:
-        raise ValueError("a launch either writes into peer outputs (a cast) or publishes (a reduce)")
+        raise ValueError(
+            "direct (a cast into peer outputs) and publish (a reduce) exclude each other; got both"
+        )
     if unpulled:
         given = {"peers": any(peers), "waits": waits, "publish": publish, "direct": direct}
         if any(v for v in given.values()):

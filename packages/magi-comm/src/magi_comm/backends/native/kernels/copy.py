@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import protocol as proto
 from ..layout import MAX_PEERS, BlockTable
-from ..protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake, check_copy_roles
+from ..protocol import IDLE_WORD, MAX_REPORTING_PROGRAMS, PEER_WORDS, Handshake
 from .compiled import CompiledKernel, args_device, specialization
 from .handshake import (
     PEER_ARGS,
@@ -402,6 +402,10 @@ class CopyLaunch:
             raise ValueError(f"the native copy kernel supports at most {MAX_PEERS} peers, got {W}")
         if max_programs < 0:
             raise ValueError(f"max_programs must be >= 0 (0: one program per block), got {max_programs}")
+        proto.check_copy_roles(
+            peers=peers, handshake=handshake, progress=progress, waits=waits, publish=publish, direct=direct,
+            unpulled=unpulled,
+        )  # fmt: skip
         programs = min(table.num_blocks, max_programs) if max_programs else table.num_blocks
         self.grid = (programs, 1, 1)
         # A handshake needs a program even without blocks (it still signals and waits).
@@ -450,7 +454,6 @@ class CopyLaunch:
             table.num_blocks,
             progress[2] if progress else 1,
         )
-        check_copy_roles(peers, hs, progress, waits, publish, direct, unpulled)
         self.progress, self.waits, self.publish = progress, waits, publish
         self.handshake = hs
         self.base_consts = dict(
