@@ -110,7 +110,7 @@ def test_the_launch_refuses_to_copy_late_rows(which):
     args = dict(k=k, v=v) | {which: strided}
     lse = torch.empty(q.shape[0], q.shape[1])
     ready = KVReady(torch.tensor([1], dtype=I32), 1, 20)
-    with pytest.raises(ValueError, match="kv_ready: k and v must be read in place"):
+    with pytest.raises(ValueError, match=rf"kv_ready: {which} must be read in place"):
         interface._launch(None, False, None, q, args["k"], args["v"], None, lse, None, None, None,
                           1.0, 0.0, 0, None, 1, ready)  # fmt: skip
 

@@ -18,7 +18,14 @@ import torch
 
 from ._validate import reads_in_place
 
-__all__ = ["KVReady", "check_kv_ready", "stream_wait_value32", "stream_write_value32", "wait_on_stream"]
+__all__ = [
+    "KVReady",
+    "check_kv_ready",
+    "refuse_copies",
+    "stream_wait_value32",
+    "stream_write_value32",
+    "wait_on_stream",
+]
 
 
 class KVReady(NamedTuple):
@@ -61,13 +68,21 @@ def check_kv_ready(kv_ready, k: torch.Tensor, v: torch.Tensor) -> KVReady | None
     first_row = _index("first_row", first_row, k.shape[0])
     if first_row == k.shape[0]:
         return None
+    refuse_copies(k, v)
+    return KVReady(flag, value, first_row)
+
+
+def refuse_copies(k: torch.Tensor, v: torch.Tensor) -> None:
+    """With late rows, k and v must be read where they lie (dense rows a multiple of 16 bytes
+    apart, 16-byte aligned bases): a copy made before the kernel would read the late rows before
+    they arrive. The caller's check and the CuTe launch, where such a copy would be made, both
+    call it. Raises ValueError naming the tensor, its strides and address."""
     for name, t in (("k", k), ("v", v)):
         if not reads_in_place(t):
             raise ValueError(
                 f"kv_ready: {name} must be read in place (dense rows a multiple of 16 bytes apart, "
                 f"a 16-byte aligned base), got strides {tuple(t.stride())} at address {t.data_ptr():#x}"
             )
-    return KVReady(flag, value, first_row)
 
 
 def _index(name: str, x, hi: int) -> int:
@@ -114,8 +129,8 @@ def wait_on_stream(kv_ready: KVReady | None) -> None:
 def stream_wait_value32(stream: torch.cuda.Stream, word: torch.Tensor, value: int) -> None:
     """Enqueue on ``stream`` a wait until ``word``'s first element, an int32 in device memory
     (this GPU's or a peer's it can reach), is >= ``value``, compared cyclically
-    (``cuStreamWaitValue32``). Needs cuda-python; a ``word`` that is not an int32 CUDA tensor is a ValueError, a
-    driver error a RuntimeError naming the call."""
+    (``cuStreamWaitValue32``). Needs cuda-python; a ``word`` that is not an int32 CUDA tensor
+    is a ValueError, a driver error a RuntimeError naming the call."""
     drv = _driver("cuStreamWaitValue32", word)
     geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     (err,) = drv.cuStreamWaitValue32(

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .._kv_ready import KVReady
+from .._kv_ready import KVReady, refuse_copies
 from .._sink import sink_lse
 from .._validate import check_accumulator, reads_in_place
 from .compile_cache import CompileKey, arch, compiled_kernel, cutlass_modules, dtype_of, placeholder_args
@@ -370,10 +370,8 @@ def _launch(
         (lse.data_ptr(), 0, total_k) if kv_ready is None
         else (kv_ready.flag.data_ptr(), kv_ready.value, kv_ready.first_row)
     )  # fmt: skip
-    if kv_ready is not None and not (reads_in_place(k) and reads_in_place(v)):
-        # the copy `_rows_in_place` would make reads the late rows before they arrive
-        # (check_kv_ready refuses such k / v; this keeps the rule where the copy is made)
-        raise ValueError("kv_ready: k and v must be read in place (dense rows, 16-byte aligned); got a copy")
+    if kv_ready is not None:  # the copy `_rows_in_place` would make reads the late rows early
+        refuse_copies(k, v)
     q = _aligned16(q)
     k, k_row_stride = _rows_in_place(k)
     v, v_row_stride = _rows_in_place(v)
