@@ -312,9 +312,8 @@ def test_copy_launch_roles_are_one_rule(launch):
     buf = torch.zeros(2 * n, dtype=torch.int64)
     hs = proto.Handshake(sig.data_ptr(), sig.data_ptr(), sig.data_ptr(), 1)
     table = to_blocks(TaskTable(torch.tensor([0]), torch.tensor([n]), torch.tensor([[0, -1, 0]])), 1, 16)
-    world = native_fake.FakeWorld(2)
     make = kernels.CopyLaunch if launch == "real" else native_fake.CopyLaunch
-    extra = {} if launch == "real" else {"world": world}
+    extra = {} if launch == "real" else {"world": native_fake.FakeWorld(2)}
     pulls = (sig.data_ptr(), 2, 0b11)  # (pull-map area, map width, sources)
     waits = (
         torch.zeros(table.num_blocks, dtype=torch.int32),

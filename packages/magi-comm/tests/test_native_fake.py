@@ -771,9 +771,10 @@ def test_a_known_arm_beside_a_peer_that_refuses_ends_in_an_error(monkeypatch):
 def test_a_known_arm_never_reads_the_peers_next_accept_word(monkeypatch):
     """Rows one way (rank 0 to rank 1), two pulled sums, then an ``lse`` reduce (staged: rank 1
     puts its accept word 0 with its arm), rank 0's second call's tiles held until that word has
-    landed: rank 1 finishes its second call while rank 0's is still running and arms the third. Nothing in rank 0's second
-    call may read that word as its own call's (a check at the end did, and trapped). It guards
-    the fake's model of the one launch; the real kernel's reads are in the interpreter test."""
+    landed: rank 1 finishes its second call while rank 0's is still running and arms the third.
+    Nothing in rank 0's second call may read that word as its own call's (a check at the end
+    did, and trapped). It guards the fake's model of the one launch; the real kernel's reads
+    are in the interpreter test."""
     monkeypatch.setattr(native_fake, "TIMEOUT", 3.0)
     lay = lib._complete(random.Random(3), 2, [[3], [2]], [[[0]], [[0, 1]]])
     fw = native_fake.FakeWorld(2)

@@ -57,11 +57,11 @@ def _reduce_start(sig, sig_peers, pub, pub_peers, accepts, decided, p0, p1, p2, 
     arm known"), publishes every destination's pull map (each must pull: a destination that
     does not accept would need its rows sent, which this launch cannot do, so it traps
     instead; for a known arm the accept word read may be the previous call's, and a refusal
-    goes unseen here: the staged receiver's receive copy stops instead), records the decisions under each destination's epoch and signals READY;
-    every program then acquires each source's READY count before its first tile, pausing
-    between polls (the whole grid polls at once: ``ONE_LAUNCH_PROGRAMS`` programs unless
-    ``reduce_programs`` sets it). The words
-    are those of the send kernel (``pack_peer``)."""
+    goes unseen here: the staged receiver's receive copy stops instead), records the decisions
+    under each destination's epoch and signals READY; every program then acquires each
+    source's READY count before its first tile, pausing between polls (the whole grid polls at
+    once: ``ONE_LAUNCH_PROGRAMS`` programs unless ``reduce_programs`` sets it). The words are
+    those of the send kernel (``pack_peer``)."""
     if tl.program_id(0) == 0:
         # the send kernel's start, in this program alone: arm, then the destinations' arms
         handshake_start(sig, p0, p1, p2, p3, p4, p5, p6, p7, sig_peers, W, ME, 1, PAUSE)
@@ -198,8 +198,8 @@ def _reduce_kernel(
     # one launch (START): every source's pull-map header is in place once its READY is acquired,
     # before the first tile, so each source's header and allocation base are read once here, not
     # per tile (two of the three dependent loads ahead of each pulled row's NVLink read): +0.7%
-    # GB/s at 64 MiB, +0.5-0.7% at 16 on 2x H100 (docs/perf.md, "group_reduce: the arm known", (d)); the
-    # reduction after a transfer kept its per-tile loads (hoisted there it lost 6%)
+    # GB/s at 64 MiB, +0.5-0.7% at 16 on 2x H100 (docs/perf.md, "group_reduce: the arm known",
+    # (d)); the reduction after a transfer kept its per-tile loads (hoisted there it lost 6%)
     HOISTED: tl.constexpr = START  # (a start comes with PULL: launch_reduce refuses one without)
     if HOISTED:
         maps64 = pull_maps.to(tl.pointer_type(tl.int64))
